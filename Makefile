@@ -1,0 +1,75 @@
+# Two commands do everything on a fresh machine with Python 3.10+ and make:
+#   make book    build the executed book into _build/html
+#   make test    run the tests, then build the book with warnings as errors
+# Both create the virtual environment from requirements.txt on first use.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# TORCH=system: keep the torch that is already installed (a GPU container's) instead of
+# installing the pinned CPU build: the environment then sees the system site-packages.
+TORCH  ?= pinned
+LAB    ?= grad_averaging
+NPROC  ?= 2
+ARGS   ?=
+PORT   ?= 8000
+# -W: warnings are errors; -n: nitpicky (every reference must resolve); --all: re-execute
+# every chapter, since a changed lab must re-run even when its chapter did not change.
+JB_FLAGS := --all -W -n --keep-going
+
+.PHONY: help venv book test pytest lab serve linkcheck notebooks clean
+
+help:
+	@echo "make book       build the executed book into _build/html"
+	@echo "make test       run the tests, then build the book with warnings as errors"
+	@echo "make lab LAB=grad_averaging NPROC=4 ARGS='--steps 50'   run one lab under torchrun"
+	@echo "make serve      serve _build/html on http://127.0.0.1:$(PORT)"
+	@echo "make linkcheck  check the book's external links"
+	@echo "make notebooks  write .ipynb copies of the chapters into _notebooks/"
+	@echo "make clean      remove _build and _notebooks (make clean-all: also .venv)"
+
+$(BIN)/activate:
+ifeq ($(TORCH),system)
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+else
+	$(PYTHON) -m venv $(VENV)
+endif
+
+$(VENV)/.installed: requirements.txt | $(BIN)/activate
+ifeq ($(TORCH),system)
+	$(BIN)/python -c "import torch; print('using the installed torch', torch.__version__)"
+	grep -v '^torch==' requirements.txt > $(VENV)/requirements-without-torch.txt
+	$(BIN)/python -m pip install -r $(VENV)/requirements-without-torch.txt
+else
+	$(BIN)/python -m pip install -r requirements.txt
+endif
+	touch $@
+
+venv: $(VENV)/.installed
+
+book: venv
+	$(BIN)/jupyter-book build . $(JB_FLAGS)
+
+pytest: venv
+	$(BIN)/python -m pytest tests
+
+test: pytest book
+
+lab: venv
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m torch.distributed.run \
+		--standalone --nproc_per_node=$(NPROC) labs/$(LAB).py $(ARGS)
+
+serve:
+	$(BIN)/python -m http.server $(PORT) --bind 127.0.0.1 --directory _build/html
+
+linkcheck: venv
+	$(BIN)/jupyter-book build . --builder linkcheck
+
+notebooks: venv
+	$(BIN)/jupytext --sync book/*.md
+
+clean:
+	rm -rf _build _notebooks
+
+clean-all: clean
+	rm -rf $(VENV)

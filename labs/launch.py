@@ -1,0 +1,128 @@
+"""Run a lab under torchrun from a notebook or a test, and get its results back.
+
+    from launch import run_lab
+    result = run_lab("grad_averaging", nproc=4, args=["--steps", 30])
+
+It runs `python -m torch.distributed.run --standalone --nproc_per_node=N labs/<lab>.py ...`
+with this interpreter (the notebook kernel's own), shows the `torchrun` line a reader would
+type, streams the lab's output as it comes (labs print on rank 0 only, so that stays short),
+and returns the JSON the lab wrote. When the lab fails, it raises `LabError` with the lab's
+own error output, so the notebook cell, the book build and the test fail visibly. A bare
+`!torchrun ...` cell would not: its exit status is ignored.
+"""
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+LABS_DIR = Path(__file__).resolve().parent
+REPO_DIR = LABS_DIR.parent
+ERROR_TAIL_LINES = 60  # how much of a failing lab's output goes into the exception
+
+
+class LabError(RuntimeError):
+    """A lab exited non-zero, timed out, or wrote no result."""
+
+    def __init__(self, message, returncode=None, output=""):
+        super().__init__(message)
+        self.returncode = returncode
+        self.output = output
+
+
+def reader_command(lab, nproc, args=()):
+    """The command a reader would type for the same run, from the repository root."""
+    words = ["torchrun", "--standalone", f"--nproc_per_node={nproc}", f"labs/{lab}.py",
+             *map(str, args)]
+    return shlex.join(words)
+
+
+def run_lab(lab, nproc=1, args=(), *, timeout=900, echo=True):
+    """Launch `labs/<lab>.py` on `nproc` local processes; return its parsed JSON result."""
+    script = LABS_DIR / f"{lab}.py"
+    if not script.is_file():
+        raise FileNotFoundError(f"no lab named {lab!r}: {script} does not exist")
+    args = [str(a) for a in args]
+    if echo:
+        print("$ " + reader_command(lab, nproc, args), flush=True)
+
+    with tempfile.TemporaryDirectory(prefix=f"{lab}-") as tmp:
+        out = Path(tmp) / f"{lab}.json"
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc_per_node={nproc}", str(script), *args, "--out", str(out)]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # Without it torchrun prints a banner and sets 1 itself; with N ranks on few
+        # cores, one thread per rank is also what keeps them from fighting.
+        env.setdefault("OMP_NUM_THREADS", "1")
+        output = _run_streaming(command, env, timeout, echo)
+        if output.returncode != 0:
+            raise LabError(_failure_message(lab, nproc, output.returncode, output.lines),
+                           output.returncode, "".join(output.lines))
+        if not out.is_file():
+            raise LabError(f"lab {lab} exited 0 but wrote no result to --out", 0,
+                           "".join(output.lines))
+        return json.loads(out.read_text())
+
+
+class _Output:
+    def __init__(self):
+        self.lines = []
+        self.returncode = None
+
+
+def _run_streaming(command, env, timeout, echo):
+    """Run `command`, echoing its merged stdout/stderr line by line; kill it on timeout."""
+    result = _Output()
+    # A new session, so that a timeout can kill torchrun and every rank it started.
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, cwd=REPO_DIR, start_new_session=True)
+    timer = _Killer(proc, timeout)
+    try:
+        for line in proc.stdout:
+            result.lines.append(line)
+            if echo:
+                print(line, end="", flush=True)
+        proc.wait()
+    finally:
+        timer.cancel()
+        if proc.poll() is None:
+            _kill_group(proc)
+    result.returncode = proc.returncode
+    if timer.fired:
+        result.lines.append(f"[launcher] killed after {timeout} s without finishing\n")
+    return result
+
+
+class _Killer:
+    """Kill a process group after `timeout` seconds unless cancelled first."""
+
+    def __init__(self, proc, timeout):
+        self.fired = False
+        self._timer = threading.Timer(timeout, self._fire, args=(proc,))
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _fire(self, proc):
+        self.fired = True
+        _kill_group(proc)
+
+    def cancel(self):
+        self._timer.cancel()
+
+
+def _kill_group(proc):
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _failure_message(lab, nproc, returncode, lines):
+    tail = "".join(lines[-ERROR_TAIL_LINES:]).rstrip()
+    return (f"lab {lab} failed with exit status {returncode} at nproc={nproc}.\n"
+            f"Its output (last {ERROR_TAIL_LINES} lines):\n{tail}")

@@ -1,0 +1,81 @@
+"""Chapter 1's lab: averaged gradients over N ranks equal one step on the whole batch."""
+
+import pytest
+import torch
+
+from launch import run_lab
+
+CORRECT = ["ddp", "manual_allreduce", "grad_accumulation"]
+PITFALLS = ["sum_not_mean", "no_set_epoch", "unequal_shards"]
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3, 4])
+def result(request):
+    return run_lab("grad_averaging", request.param, echo=False)
+
+
+def test_correct_variants_match_the_single_process_reference(result):
+    tolerance = result["tolerance"]
+    assert tolerance <= 1e-5
+    for name in CORRECT:
+        variant = result["variants"][name]
+        assert variant["expected_equal"] is True
+        assert variant["max_param_diff"] <= tolerance, (name, variant)
+        # at every step, not only at the worst one
+        assert len(result["param_diff_by_step"][name]) == result["args"]["steps"]
+        assert max(result["param_diff_by_step"][name]) <= tolerance
+
+
+def test_pitfalls_differ_wherever_they_can(result):
+    n = result["world_size"]
+    for name in PITFALLS:
+        variant = result["variants"][name]
+        if variant["expected_equal"]:
+            # only where the pitfall cannot act: one rank (sum = mean, equal shards)
+            assert n == 1 and name != "no_set_epoch", name
+            assert variant["max_param_diff"] <= result["tolerance"]
+        else:
+            # "by far": a hundred times the tolerance at the least
+            assert variant["max_param_diff"] > 100 * result["tolerance"], (name, variant)
+
+
+def test_no_set_epoch_agrees_until_the_second_epoch(result):
+    diffs = result["param_diff_by_step"]["no_set_epoch"]
+    first_epoch = result["microbatches_per_epoch"]
+    assert max(diffs[:first_epoch]) <= result["tolerance"]
+    assert max(diffs[first_epoch:]) > result["tolerance"]
+
+
+def test_an_odd_larger_world_also_matches():
+    result = run_lab("grad_averaging", 5, ["--steps", 12], echo=False)
+    assert all(result["variants"][name]["max_param_diff"] <= 1e-5 for name in CORRECT)
+    assert all(result["variants"][name]["max_param_diff"] > 1e-3
+               for name in ("sum_not_mean", "unequal_shards"))
+
+
+def test_help_works_without_torchrun(script):
+    done = script("grad_averaging", "--help")
+    assert done.returncode == 0
+    for option in ("--steps", "--batch-per-rank", "--accum", "--backend", "--out",
+                   "--seed", "--timeout"):
+        assert option in done.stdout
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--batch-per-rank", 0], "--batch-per-rank must be at least 1"),
+    (["--steps", -3], "--steps must be at least 1"),
+    (["--accum", 0], "--accum must be at least 1"),
+])
+def test_bad_input_exits_with_one_clear_line(script, args, words):
+    done = script("grad_averaging", *args)
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0], done.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: NCCL would work")
+def test_nccl_without_gpu_exits_with_one_clear_line(script):
+    done = script("grad_averaging", "--backend", "nccl")
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--backend nccl needs CUDA GPUs" in lines[0], done.stderr
