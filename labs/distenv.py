@@ -106,6 +106,12 @@ class DistEnv:
         if self.is_rank0:
             print(*parts, **kwargs, flush=True)
 
+    def progress(self, message):
+        """Rank 0, on a terminal only: a one-line status that overwrites itself.
+        In a notebook or a log (not a TTY) it prints nothing, so outputs stay short."""
+        if self.is_rank0 and sys.stderr.isatty():
+            print(f"\r\033[K{message}", end="", file=sys.stderr, flush=True)
+
     def metadata(self, lab, args):
         """The fields every result JSON carries (the lab contract)."""
         nccl = torch.cuda.nccl.version() if self.backend == "nccl" else None

@@ -1,0 +1,99 @@
+"""Communication cost models: how a ring splits a tensor, bytes each rank sends, bus bandwidth,
+and the alpha-beta time model with its fit to measured times.
+
+Pure functions, no process group: the chapters compute predictions with them, the labs use
+them for the same split, and the tests check them by hand.
+"""
+
+# Bus bandwidth = algorithm bandwidth x this factor (nccl-tests' definitions): it turns
+# bytes/time into the bandwidth each link must carry, comparable across world sizes.
+BUSBW_FACTORS = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+}
+
+
+def chunk_bounds(numel, world_size):
+    """[start, end) of each rank's chunk: sizes differ by at most one element.
+
+    The first numel % N chunks get one extra element; when numel < N the last chunks are
+    empty. Every rank computes the same split, so no sizes need to be exchanged.
+    """
+    base, extra = divmod(numel, world_size)
+    bounds, start = [], 0
+    for r in range(world_size):
+        end = start + base + (1 if r < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def ring_allreduce_elements_sent(numel, world_size, rank):
+    """Elements rank `rank` sends in a ring all-reduce (reduce-scatter, then all-gather).
+
+    Reduce-scatter step s sends chunk (rank - s) mod N, all-gather step s sends chunk
+    (rank + 1 - s) mod N, for s = 0 .. N-2: every chunk twice except chunks rank+1 and rank+2.
+    """
+    if world_size == 1:
+        return 0
+    size = [end - start for start, end in chunk_bounds(numel, world_size)]
+    n = world_size
+    reduce_scatter = sum(size[(rank - s) % n] for s in range(n - 1))
+    all_gather = sum(size[(rank + 1 - s) % n] for s in range(n - 1))
+    return reduce_scatter + all_gather
+
+
+def ring_allreduce_bytes_sent(numel, world_size, rank, element_size=4):
+    """Bytes rank `rank` sends; 2 (N-1)/N x numel x element_size when N divides numel."""
+    return element_size * ring_allreduce_elements_sent(numel, world_size, rank)
+
+
+def bus_bandwidth(op, bytes_, seconds, world_size):
+    """nccl-tests' busbw in bytes/s: algbw (bytes / seconds) times the op's factor."""
+    return bytes_ / seconds * BUSBW_FACTORS[op](world_size)
+
+
+def allreduce_time(bytes_, world_size, alpha_s, beta_bytes_per_s):
+    """Alpha-beta model of a ring all-reduce: 2(N-1) latencies + 2(N-1)/N * S / beta."""
+    n = world_size
+    return 2 * (n - 1) * alpha_s + 2 * (n - 1) / n * bytes_ / beta_bytes_per_s
+
+
+def fit_alpha_beta(sizes_bytes, times_s, world_size):
+    """Least-squares fit of `allreduce_time` to measured times; returns (alpha_s, beta_bytes_per_s).
+
+    The fit is on relative error (each point weighted by 1/time), so that small, latency-bound
+    messages count as much as large ones. alpha is kept >= 0.
+    """
+    n = world_size
+    if n < 2:
+        raise ValueError("the alpha-beta model needs at least 2 ranks")
+    if len(sizes_bytes) < 2:
+        raise ValueError("fitting alpha and beta needs at least two message sizes")
+    # T = a + b x with x = 2(N-1)/N * S, a = 2(N-1) alpha, b = 1/beta; weighted by 1/T.
+    xs = [2 * (n - 1) / n * s for s in sizes_bytes]
+    ws = [1.0 / t for t in times_s]
+    sw = sum(w * w for w in ws)
+    swx = sum(w * w * x for w, x in zip(ws, xs))
+    swy = sum(w * w * t for w, t in zip(ws, times_s))
+    swxx = sum(w * w * x * x for w, x in zip(ws, xs))
+    swxy = sum(w * w * x * t for w, x, t in zip(ws, xs, times_s))
+    det = sw * swxx - swx * swx
+    b = (sw * swxy - swx * swy) / det
+    a = (swy - b * swx) / sw
+    if a < 0:  # no measurable latency: fit the slope alone through the origin
+        a, b = 0.0, swxy / swxx
+    return a / (2 * (n - 1)), 1.0 / b
+
+
+def parse_size(text):
+    """'4K' -> 4096, '1M' -> 1048576, '2G' -> 2 GiB, '100' -> 100 (bytes). ValueError if bad."""
+    units = {"": 1, "K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}
+    text = text.strip()
+    number, unit = (text[:-1], text[-1].upper()) if text[-1:].isalpha() else (text, "")
+    if unit not in units or not number.isdigit():
+        raise ValueError(f"bad size {text!r}: use a whole number with an optional K, M or G suffix")
+    return int(number) * units[unit]

@@ -1,0 +1,274 @@
+"""Ring all-reduce from point-to-point sends and receives, checked and timed against torch's.
+
+The tensor is cut into N chunks (sizes differ by at most one element; some are empty when
+it has fewer than N elements). Reduce-scatter: in N-1 steps each rank sends one chunk to
+the next rank and adds the chunk it receives from the previous one, until rank r holds the
+full sum of chunk r+1. All-gather: N-1 more steps pass the summed chunks around the ring.
+Each step is pipelined: a chunk travels as segments, and each received segment is added
+while the next ones are still on the wire.
+
+  --numel K       one correctness run on K random float32 elements, compared with
+                  dist.all_reduce on the same input; bytes sent counted and predicted
+  --sizes LIST    a timing sweep, e.g. 4K,64K,1M,16M (bytes; K/M/G = 2^10/2^20/2^30),
+                  ring and dist.all_reduce alternating, --repeats timed runs per size
+
+Launch lines (from the repository root):
+  laptop, gloo on CPU:  torchrun --standalone --nproc_per_node=4 labs/ring_allreduce.py --sizes 4K,1M,16M
+  one process:          python labs/ring_allreduce.py --numel 1000
+  GPU box, NCCL:        torchrun --standalone --nproc_per_node=8 labs/ring_allreduce.py --sizes 1M,64M,1G
+  two nodes (run on each, HOST = node 0's address):
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
+             --rdzv-id=ring labs/ring_allreduce.py --sizes 1M,64M,1G --out ring.json
+
+JSON metrics: max_abs_err, bytes_sent_per_rank (counted on rank 0), predicted_bytes_per_rank,
+bytes_sent_by_rank, and with --sizes: sweep [{bytes, ring_time_s, library_time_s,
+ring_busbw_gbps, library_busbw_gbps, ...}], alpha_s, beta_bytes_per_s (fitted to the library).
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import comm_model
+import distenv
+
+# correctness run
+NUMEL = 1_000_003          # does not divide by any small N: unequal chunks by default
+# timing sweep
+REPEATS = 15               # timed runs per size and implementation; the median is reported
+WARMUP = 3                 # untimed runs first: the first collective sets up connections
+# implementation
+SEGMENT_BYTES = 1 << 20    # pipelining grain: 1 MiB per send/receive (gloo pays ~0.2 ms per message)
+ELEMENT_SIZE = 4           # float32
+
+
+def ring_steps(rank, world_size):
+    """The 2(N-1) steps of a ring all-reduce on `rank`: (phase, chunk sent, chunk received).
+
+    Reduce-scatter step s sends chunk rank-s and adds the incoming chunk rank-s-1 into its
+    own; after N-1 steps rank r holds the full sum of chunk r+1. All-gather step s passes on
+    chunk rank+1-s and stores the incoming chunk rank-s. The chunk sent at each step is the
+    one received at the step before.
+    """
+    n = world_size
+    reduce_scatter = [("reduce-scatter", (rank - s) % n, (rank - s - 1) % n) for s in range(n - 1)]
+    all_gather = [("all-gather", (rank + 1 - s) % n, (rank - s) % n) for s in range(n - 1)]
+    return reduce_scatter + all_gather
+
+
+_buffers = {}
+
+
+def _receive_buffers(numel, dtype, device):
+    """Two reusable buffers for incoming chunks (steps alternate between them). Allocating
+    them anew on every call costs a page fault per 4 KiB on first touch: for tens of MB, a
+    real share of the all-reduce's time."""
+    key = (dtype, device)
+    if key not in _buffers or _buffers[key].shape[1] < numel:
+        _buffers[key] = torch.empty(2, numel, dtype=dtype, device=device)
+    return _buffers[key][:, :numel]
+
+
+def run_ring(flat, steps, segment_bytes=SEGMENT_BYTES):
+    """Run consecutive ring `steps` on the 1-D tensor `flat`, in place, pipelined by segment.
+
+    Segment k of a step is sent as soon as segment k of the step before has arrived (and, in
+    the reduce-scatter, been added): the next step's sending overlaps this step's receiving
+    and adding, and the link never waits for a whole chunk. Returns elements sent.
+    """
+    rank, n = dist.get_rank(), dist.get_world_size()
+    nxt, prev = (rank + 1) % n, (rank - 1) % n
+    bounds = comm_model.chunk_bounds(flat.numel(), n)
+    largest = bounds[0][1] - bounds[0][0]
+    grain = max(1, segment_bytes // flat.element_size())
+    scratch = _receive_buffers(largest, flat.dtype, flat.device)
+
+    def segments(chunk):
+        start, end = bounds[chunk]
+        return [(a, min(a + grain, end)) for a in range(start, end, grain)]
+
+    sends, pending, sent = [], None, 0  # pending: the previous step's receives, not yet done
+    for index, (phase, send_chunk, recv_chunk) in enumerate(steps):
+        # Post this step's receives first; messages from `prev` match them in order.
+        incoming = scratch[index % 2] if phase == "reduce-scatter" else flat
+        offset = bounds[recv_chunk][0] if phase == "reduce-scatter" else 0
+        receives = [(a, b, dist.irecv(incoming[a - offset:b - offset], prev))
+                    for a, b in segments(recv_chunk)]
+        finish = _finisher(pending, flat, scratch)
+        for a, b in segments(send_chunk):
+            finish(a, b)  # the step before must have delivered this segment
+            sends.append(dist.isend(flat[a:b], nxt))
+            sent += b - a
+        finish(None, None)  # whatever of the step before is left (a chunk one longer)
+        pending = (phase, index, offset, receives)
+    _finisher(pending, flat, scratch)(None, None)
+    for work in sends:
+        work.wait()
+    return sent
+
+
+def _finisher(pending, flat, scratch):
+    """finish(a, b): wait for the previous step's received segments up to [a, b) and add them
+    in (reduce-scatter); finish(None, None) completes all that remain."""
+    if pending is None:
+        return lambda a, b: None
+    phase, index, offset, receives = pending
+    queue = list(receives)
+
+    def finish(a, b):
+        while queue and (a is None or queue[0][0] <= a):
+            start, end, work = queue.pop(0)
+            work.wait()
+            if phase == "reduce-scatter":
+                flat[start:end] += scratch[index % 2][start - offset:end - offset]
+
+    return finish
+
+
+def ring_allreduce(tensor, segment_bytes=SEGMENT_BYTES):
+    """Sum `tensor` over all ranks, in place. Returns the number of bytes this rank sent."""
+    flat = tensor.view(-1)  # a view: results land in `tensor`
+    steps = ring_steps(dist.get_rank(), dist.get_world_size())
+    return run_ring(flat, steps, segment_bytes) * tensor.element_size()
+
+
+def check_correctness(env, numel, seed, segment_bytes):
+    """Ring vs dist.all_reduce on the same random input; bytes counted on every rank."""
+    gen = torch.Generator().manual_seed(seed + env.rank)  # different data on every rank
+    data = torch.randn(numel, generator=gen).to(env.device)
+    expected = data.clone()
+    dist.all_reduce(expected)
+    sent = ring_allreduce(data, segment_bytes)
+    max_abs_err = (data - expected).abs().max().item()
+    sent_by_rank = torch.tensor([float(sent)], device=env.device)
+    gathered = [torch.zeros_like(sent_by_rank) for _ in range(env.world_size)]
+    dist.all_gather(gathered, sent_by_rank)
+    return {
+        "numel": numel,
+        "max_abs_err": max_abs_err,
+        "bytes_sent_per_rank": sent,
+        "predicted_bytes_per_rank": comm_model.ring_allreduce_bytes_sent(
+            numel, env.world_size, env.rank, data.element_size()),
+        "bytes_sent_by_rank": [int(t.item()) for t in gathered],
+        "predicted_bytes_by_rank": [comm_model.ring_allreduce_bytes_sent(
+            numel, env.world_size, r, data.element_size()) for r in range(env.world_size)],
+    }
+
+
+def _timed(env, operation):
+    """Seconds for one call, as the slowest rank saw it (barrier first, sync before the clock)."""
+    dist.barrier()
+    start = time.perf_counter()
+    operation()
+    if env.device.type == "cuda":
+        torch.cuda.synchronize(env.device)
+    elapsed = torch.tensor([time.perf_counter() - start], device=env.device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()
+
+
+def _summary(times):
+    ordered = sorted(times)
+    quartile = max(1, len(ordered) // 4)
+    return statistics.median(ordered), ordered[quartile - 1], ordered[-quartile]
+
+
+def sweep(env, sizes, repeats, segment_bytes):
+    """Time the ring and dist.all_reduce on each size, alternating, median of the repeats."""
+    rows = []
+    for size in sizes:
+        numel = size // ELEMENT_SIZE
+        source = torch.randn(numel).to(env.device)
+        buffer = torch.empty_like(source)
+        implementations = {
+            "ring": lambda: ring_allreduce(buffer, segment_bytes),
+            "library": lambda: dist.all_reduce(buffer),
+        }
+        times = {name: [] for name in implementations}
+        for index in range(WARMUP + repeats):
+            for name, operation in implementations.items():
+                buffer.copy_(source)  # same input each time, outside the timed region
+                elapsed = _timed(env, operation)
+                if index >= WARMUP:
+                    times[name].append(elapsed)
+            env.progress(f"{size} bytes: {index + 1}/{WARMUP + repeats}")
+        row = {"bytes": numel * ELEMENT_SIZE}
+        for name in implementations:
+            median, low, high = _summary(times[name])
+            row[f"{name}_time_s"] = median
+            row[f"{name}_time_quartiles_s"] = [low, high]
+            row[f"{name}_busbw_gbps"] = (comm_model.bus_bandwidth("all_reduce", row["bytes"], median,
+                                                                  env.world_size) / 1e9)
+        row["ring_over_library_busbw"] = row["library_time_s"] / row["ring_time_s"]
+        rows.append(row)
+    env.progress("")
+    return rows
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--numel", type=int, default=NUMEL,
+                        help="elements of the correctness run (float32)")
+    parser.add_argument("--sizes", default=None,
+                        help="comma-separated message sizes in bytes for the timing sweep, "
+                             "K/M/G suffixes accepted (e.g. 4K,64K,1M,16M)")
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="timed runs per size")
+    parser.add_argument("--segment-bytes", type=int, default=SEGMENT_BYTES,
+                        help="pipelining grain of the ring, in bytes")
+    distenv.add_common_args(parser)
+    args = parser.parse_args(argv)
+    if args.numel < 1:
+        distenv.fail(f"--numel must be at least 1, got {args.numel}")
+    if args.repeats < 1:
+        distenv.fail(f"--repeats must be at least 1, got {args.repeats}")
+    if args.segment_bytes < ELEMENT_SIZE:
+        distenv.fail(f"--segment-bytes must be at least {ELEMENT_SIZE}, got {args.segment_bytes}")
+    if args.sizes is not None:
+        try:
+            args.sizes = [comm_model.parse_size(s) for s in args.sizes.split(",")]
+        except ValueError as error:
+            distenv.fail(f"--sizes: {error}")
+        small = [s for s in args.sizes if s < ELEMENT_SIZE]
+        if small:
+            distenv.fail(f"--sizes: {small[0]} bytes is less than one float32 element")
+    return args
+
+
+def main():
+    args = parse_args()
+    with distenv.initialize(args) as env:
+        metrics = check_correctness(env, args.numel, args.seed, args.segment_bytes)
+        env.print0(f"ring all-reduce of {args.numel} float32 at world size {env.world_size} "
+                   f"({env.backend}): max |ring - dist.all_reduce| = {metrics['max_abs_err']:.2e}, "
+                   f"rank 0 sent {metrics['bytes_sent_per_rank']} bytes "
+                   f"(predicted {metrics['predicted_bytes_per_rank']})")
+        if args.sizes:
+            rows = sweep(env, args.sizes, args.repeats, args.segment_bytes)
+            metrics["sweep"] = rows
+            metrics["alpha_s"] = metrics["beta_bytes_per_s"] = None
+            if env.world_size > 1 and len(rows) > 1:
+                alpha, beta = comm_model.fit_alpha_beta([r["bytes"] for r in rows],
+                                                        [r["library_time_s"] for r in rows],
+                                                        env.world_size)
+                metrics["alpha_s"], metrics["beta_bytes_per_s"] = alpha, beta
+                for row in rows:
+                    row["predicted_time_s"] = comm_model.allreduce_time(row["bytes"], env.world_size,
+                                                                        alpha, beta)
+            env.print0(f"{'bytes':>12} {'ring ms':>9} {'library ms':>10} {'ring busbw':>11} "
+                       f"{'lib busbw':>10} {'ratio':>6}   (busbw in GB/s)")
+            for r in rows:
+                env.print0(f"{r['bytes']:>12} {r['ring_time_s'] * 1e3:>9.3f} "
+                           f"{r['library_time_s'] * 1e3:>10.3f} {r['ring_busbw_gbps']:>11.3f} "
+                           f"{r['library_busbw_gbps']:>10.3f} {r['ring_over_library_busbw']:>6.2f}")
+            if metrics["alpha_s"] is not None:
+                env.print0(f"alpha-beta fit to dist.all_reduce: alpha = {metrics['alpha_s'] * 1e6:.1f} us, "
+                           f"beta = {metrics['beta_bytes_per_s'] / 1e9:.3f} GB/s")
+        env.write_result("ring_allreduce", args, metrics)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Communication cost models, checked by hand-computed cases."""
+
+import math
+
+import pytest
+
+import comm_model
+
+
+def test_chunks_cover_the_tensor_and_differ_by_at_most_one():
+    for numel in (1, 2, 3, 7, 1000003):
+        for n in (1, 2, 3, 4, 5, 8):
+            bounds = comm_model.chunk_bounds(numel, n)
+            sizes = [b - a for a, b in bounds]
+            assert bounds[0][0] == 0 and bounds[-1][1] == numel
+            assert all(bounds[i][1] == bounds[i + 1][0] for i in range(n - 1))
+            assert max(sizes) - min(sizes) <= 1
+
+
+def test_fewer_elements_than_ranks_leaves_empty_chunks():
+    assert comm_model.chunk_bounds(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_ring_bytes_equal_2_n_minus_1_over_n_when_divisible(n):
+    numel = 1024 * n
+    expected = 2 * (n - 1) / n * numel * 4
+    assert all(comm_model.ring_allreduce_bytes_sent(numel, n, r) == expected for r in range(n))
+
+
+def test_ring_bytes_with_unequal_chunks_by_hand():
+    # numel 10 over 3 ranks: chunks of 4, 3, 3. Rank 0 sends every chunk twice except
+    # chunks 1 and 2: 2*10 - 3 - 3 = 14 elements; rank 1 skips chunks 2 and 0: 20 - 3 - 4 = 13.
+    assert comm_model.ring_allreduce_elements_sent(10, 3, 0) == 14
+    assert comm_model.ring_allreduce_elements_sent(10, 3, 1) == 13
+    assert comm_model.ring_allreduce_elements_sent(10, 3, 2) == 13
+    assert comm_model.ring_allreduce_elements_sent(10, 1, 0) == 0
+
+
+def test_bus_bandwidth_factors():
+    # 1 GB in 1 s on 8 ranks: all-reduce busbw = 2*7/8 GB/s, all-gather 7/8, broadcast 1
+    assert comm_model.bus_bandwidth("all_reduce", 1e9, 1.0, 8) == pytest.approx(1.75e9)
+    assert comm_model.bus_bandwidth("all_gather", 1e9, 1.0, 8) == pytest.approx(0.875e9)
+    assert comm_model.bus_bandwidth("reduce_scatter", 1e9, 1.0, 8) == pytest.approx(0.875e9)
+    assert comm_model.bus_bandwidth("broadcast", 1e9, 1.0, 8) == pytest.approx(1e9)
+
+
+def test_alpha_beta_time_and_fit_recover_the_model():
+    alpha, beta, n = 5e-6, 2e9, 4
+    # 2(N-1) alpha + 2(N-1)/N S / beta, by hand for S = 1 MB
+    assert comm_model.allreduce_time(1e6, n, alpha, beta) == pytest.approx(6 * 5e-6 + 1.5e6 / 2e9)
+    sizes = [2 ** k for k in range(10, 28, 2)]
+    times = [comm_model.allreduce_time(s, n, alpha, beta) for s in sizes]
+    fitted_alpha, fitted_beta = comm_model.fit_alpha_beta(sizes, times, n)
+    assert fitted_alpha == pytest.approx(alpha, rel=1e-6)
+    assert fitted_beta == pytest.approx(beta, rel=1e-6)
+
+
+def test_fit_rejects_what_it_cannot_fit():
+    with pytest.raises(ValueError):
+        comm_model.fit_alpha_beta([1, 2], [1.0, 2.0], 1)
+    with pytest.raises(ValueError):
+        comm_model.fit_alpha_beta([1], [1.0], 4)
+
+
+@pytest.mark.parametrize("text, value", [("4K", 4096), ("64k", 65536), ("1M", 2 ** 20),
+                                         ("2G", 2 * 2 ** 30), ("100", 100)])
+def test_parse_size(text, value):
+    assert comm_model.parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["4X", "M", "1.5M", "-4K", ""])
+def test_parse_size_rejects(text):
+    with pytest.raises(ValueError):
+        comm_model.parse_size(text)
+
+
+def test_one_gigabyte_on_eight_gpus_by_hand():
+    # The chapter's worked example: S = 1 GB, N = 8 -> each rank sends 1.75 GB.
+    assert math.isclose(comm_model.ring_allreduce_bytes_sent(250_000_000, 8, 0), 1.75e9)
