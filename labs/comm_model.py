@@ -5,6 +5,8 @@ Pure functions, no process group: the chapters compute predictions with them, th
 them for the same split, and the tests check them by hand.
 """
 
+import math
+
 # Bus bandwidth = algorithm bandwidth x this factor (nccl-tests' definitions): it turns
 # bytes/time into the bandwidth each link must carry, comparable across world sizes.
 BUSBW_FACTORS = {
@@ -51,6 +53,24 @@ def ring_allreduce_bytes_sent(numel, world_size, rank, element_size=4):
     return element_size * ring_allreduce_elements_sent(numel, world_size, rank)
 
 
+def bytes_sent_per_rank(op, bytes_, world_size):
+    """Bytes each rank sends in the bandwidth-optimal (ring or pipelined chain) algorithm.
+
+    `bytes_` is the size of the full tensor: the input of all-reduce, reduce-scatter, reduce,
+    broadcast and all-to-all, the output of all-gather. Divisible sizes assumed.
+    """
+    n = world_size
+    per_rank = {
+        "broadcast": bytes_ * (n - 1) / n if n > 1 else 0,   # chain: all but the last forward S
+        "reduce": bytes_ * (n - 1) / n if n > 1 else 0,
+        "all_reduce": 2 * (n - 1) / n * bytes_,
+        "reduce_scatter": (n - 1) / n * bytes_,
+        "all_gather": (n - 1) / n * bytes_,
+        "all_to_all": (n - 1) / n * bytes_,                    # keeps 1/N, sends the rest
+    }
+    return per_rank[op]
+
+
 def bus_bandwidth(op, bytes_, seconds, world_size):
     """nccl-tests' busbw in bytes/s: algbw (bytes / seconds) times the op's factor."""
     return bytes_ / seconds * BUSBW_FACTORS[op](world_size)
@@ -60,6 +80,26 @@ def allreduce_time(bytes_, world_size, alpha_s, beta_bytes_per_s):
     """Alpha-beta model of a ring all-reduce: 2(N-1) latencies + 2(N-1)/N * S / beta."""
     n = world_size
     return 2 * (n - 1) * alpha_s + 2 * (n - 1) / n * bytes_ / beta_bytes_per_s
+
+
+def tree_allreduce_time(bytes_, world_size, alpha_s, beta_bytes_per_s):
+    """A pipelined binary-tree reduce then broadcast: 2 log2(N) latencies, ~2 S / beta.
+
+    Fewer latency terms than the ring (log N instead of N), but every byte crosses the
+    busiest link twice whatever N is, against 2(N-1)/N for the ring.
+    """
+    n = world_size
+    return 2 * math.ceil(math.log2(n)) * alpha_s + 2 * bytes_ / beta_bytes_per_s
+
+
+def ring_tree_crossover_bytes(world_size, alpha_s, beta_bytes_per_s):
+    """Message size above which the ring beats the tree, from the two models above.
+
+    Equal when 2(N-1) a + 2(N-1)/N S/b = 2 ceil(log2 N) a + 2 S/b, i.e.
+    S* = N b a ((N-1) - ceil(log2 N)).
+    """
+    n = world_size
+    return n * beta_bytes_per_s * alpha_s * ((n - 1) - math.ceil(math.log2(n)))
 
 
 def fit_alpha_beta(sizes_bytes, times_s, world_size):

@@ -78,3 +78,23 @@ def test_parse_size_rejects(text):
 def test_one_gigabyte_on_eight_gpus_by_hand():
     # The chapter's worked example: S = 1 GB, N = 8 -> each rank sends 1.75 GB.
     assert math.isclose(comm_model.ring_allreduce_bytes_sent(250_000_000, 8, 0), 1.75e9)
+
+
+def test_bytes_per_rank_by_collective():
+    assert comm_model.bytes_sent_per_rank("all_reduce", 8e9, 8) == pytest.approx(14e9)
+    assert comm_model.bytes_sent_per_rank("all_gather", 8e9, 8) == pytest.approx(7e9)
+    assert comm_model.bytes_sent_per_rank("reduce_scatter", 8e9, 8) == pytest.approx(7e9)
+    assert comm_model.bytes_sent_per_rank("all_to_all", 8e9, 8) == pytest.approx(7e9)
+    assert comm_model.bytes_sent_per_rank("all_reduce", 8e9, 1) == 0
+
+
+def test_ring_and_tree_times_cross_where_the_formula_says():
+    n, alpha, beta = 64, 10e-6, 50e9
+    crossover = comm_model.ring_tree_crossover_bytes(n, alpha, beta)
+    # by hand: 64 * 50e9 * 10e-6 * (63 - 6) = 1.824e9 bytes
+    assert crossover == pytest.approx(64 * 50e9 * 10e-6 * 57)
+    ring = comm_model.allreduce_time(crossover, n, alpha, beta)
+    tree = comm_model.tree_allreduce_time(crossover, n, alpha, beta)
+    assert ring == pytest.approx(tree)
+    assert comm_model.allreduce_time(crossover * 2, n, alpha, beta) < \
+        comm_model.tree_allreduce_time(crossover * 2, n, alpha, beta)
