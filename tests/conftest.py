@@ -18,6 +18,13 @@ def run_script(lab, *args, env_extra=None, timeout=120):
                           capture_output=True, text=True, env=env, timeout=timeout)
 
 
+def assert_fails_with_one_line(done, words):
+    """The lab exited non-zero and said why in exactly one line on stderr."""
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0], done.stderr
+
+
 @pytest.fixture
 def script():
     return run_script

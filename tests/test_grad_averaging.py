@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from conftest import assert_fails_with_one_line
 from launch import run_lab
 
 CORRECT = ["ddp", "manual_allreduce", "grad_accumulation"]
@@ -67,15 +68,10 @@ def test_help_works_without_torchrun(script):
     (["--accum", 0], "--accum must be at least 1"),
 ])
 def test_bad_input_exits_with_one_clear_line(script, args, words):
-    done = script("grad_averaging", *args)
-    assert done.returncode != 0
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and words in lines[0], done.stderr
+    assert_fails_with_one_line(script("grad_averaging", *args), words)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: NCCL would work")
 def test_nccl_without_gpu_exits_with_one_clear_line(script):
-    done = script("grad_averaging", "--backend", "nccl")
-    assert done.returncode != 0
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "--backend nccl needs CUDA GPUs" in lines[0], done.stderr
+    assert_fails_with_one_line(script("grad_averaging", "--backend", "nccl"),
+                               "--backend nccl needs CUDA GPUs")

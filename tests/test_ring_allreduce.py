@@ -2,6 +2,7 @@
 
 import pytest
 
+from conftest import assert_fails_with_one_line
 from launch import run_lab
 
 
@@ -31,10 +32,7 @@ def test_sweep_reports_every_size_with_bandwidths():
     (["--repeats", 0], "--repeats must be at least 1"),
 ])
 def test_bad_input_exits_with_one_clear_line(script, args, words):
-    done = script("ring_allreduce", *args)
-    assert done.returncode != 0
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and words in lines[0], done.stderr
+    assert_fails_with_one_line(script("ring_allreduce", *args), words)
 
 
 def test_help_works_without_torchrun(script):
