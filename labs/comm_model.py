@@ -126,6 +126,10 @@ def fit_alpha_beta(sizes_bytes, times_s, world_size):
     a = (swy - b * swx) / sw
     if a < 0:  # no measurable latency: fit the slope alone through the origin
         a, b = 0.0, swxy / swxx
+    if b <= 0:
+        # Noise larger than the size effect: these times say nothing about bandwidth.
+        raise ValueError("the times do not grow with the message size: no bandwidth to fit "
+                         "(sweep a wider range of sizes, or more repeats)")
     return a / (2 * (n - 1)), 1.0 / b
 
 

@@ -251,13 +251,17 @@ def main():
             metrics["sweep"] = rows
             metrics["alpha_s"] = metrics["beta_bytes_per_s"] = None
             if env.world_size > 1 and len(rows) > 1:
-                alpha, beta = comm_model.fit_alpha_beta([r["bytes"] for r in rows],
-                                                        [r["library_time_s"] for r in rows],
-                                                        env.world_size)
-                metrics["alpha_s"], metrics["beta_bytes_per_s"] = alpha, beta
-                for row in rows:
-                    row["predicted_time_s"] = comm_model.allreduce_time(row["bytes"], env.world_size,
-                                                                        alpha, beta)
+                try:
+                    alpha, beta = comm_model.fit_alpha_beta([r["bytes"] for r in rows],
+                                                            [r["library_time_s"] for r in rows],
+                                                            env.world_size)
+                except ValueError as error:
+                    env.print0(f"no alpha-beta fit: {error}")
+                else:
+                    metrics["alpha_s"], metrics["beta_bytes_per_s"] = alpha, beta
+                    for row in rows:
+                        row["predicted_time_s"] = comm_model.allreduce_time(
+                            row["bytes"], env.world_size, alpha, beta)
             env.print0(f"{'bytes':>12} {'ring ms':>9} {'library ms':>10} {'ring busbw':>11} "
                        f"{'lib busbw':>10} {'ratio':>6}   (busbw in GB/s)")
             for r in rows:

@@ -61,6 +61,9 @@ def test_fit_rejects_what_it_cannot_fit():
         comm_model.fit_alpha_beta([1, 2], [1.0, 2.0], 1)
     with pytest.raises(ValueError):
         comm_model.fit_alpha_beta([1], [1.0], 4)
+    # a larger message measured faster than a smaller one: noise, not a bandwidth
+    with pytest.raises(ValueError, match="do not grow"):
+        comm_model.fit_alpha_beta([4096, 2 ** 20], [2e-3, 1e-3], 2)
 
 
 @pytest.mark.parametrize("text, value", [("4K", 4096), ("64k", 65536), ("1M", 2 ** 20),

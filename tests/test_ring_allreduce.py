@@ -16,9 +16,10 @@ def test_ring_matches_library_and_counted_bytes_match_predicted(world_size):
 
 
 def test_sweep_reports_every_size_with_bandwidths():
-    result = run_lab("ring_allreduce", 2, ["--numel", 10, "--sizes", "4K,1M", "--repeats", 2],
+    # 4K to 8M: a range wide enough that time grows with size through any noise
+    result = run_lab("ring_allreduce", 2, ["--numel", 10, "--sizes", "4K,8M", "--repeats", 3],
                      echo=False)
-    assert [row["bytes"] for row in result["sweep"]] == [4096, 2 ** 20]
+    assert [row["bytes"] for row in result["sweep"]] == [4096, 8 * 2 ** 20]
     for row in result["sweep"]:
         for key in ("ring_time_s", "library_time_s", "ring_busbw_gbps", "library_busbw_gbps",
                     "predicted_time_s"):
