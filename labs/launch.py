@@ -59,32 +59,26 @@ def run_lab(lab, nproc=1, args=(), *, timeout=900, echo=True):
         # Without it torchrun prints a banner and sets 1 itself; with N ranks on few
         # cores, one thread per rank is also what keeps them from fighting.
         env.setdefault("OMP_NUM_THREADS", "1")
-        output = _run_streaming(command, env, timeout, echo)
-        if output.returncode != 0:
-            raise LabError(_failure_message(lab, nproc, output.returncode, output.lines),
-                           output.returncode, "".join(output.lines))
+        returncode, lines = _run_streaming(command, env, timeout, echo)
+        if returncode != 0:
+            raise LabError(_failure_message(lab, nproc, returncode, lines),
+                           returncode, "".join(lines))
         if not out.is_file():
-            raise LabError(f"lab {lab} exited 0 but wrote no result to --out", 0,
-                           "".join(output.lines))
+            raise LabError(f"lab {lab} exited 0 but wrote no result to --out", 0, "".join(lines))
         return json.loads(out.read_text())
 
 
-class _Output:
-    def __init__(self):
-        self.lines = []
-        self.returncode = None
-
-
 def _run_streaming(command, env, timeout, echo):
-    """Run `command`, echoing its merged stdout/stderr line by line; kill it on timeout."""
-    result = _Output()
+    """Run `command`, echoing its merged stdout/stderr line by line; kill it on timeout.
+    Returns (exit status, output lines)."""
+    lines = []
     # A new session, so that a timeout can kill torchrun and every rank it started.
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env, cwd=REPO_DIR, start_new_session=True)
     timer = _Killer(proc, timeout)
     try:
         for line in proc.stdout:
-            result.lines.append(line)
+            lines.append(line)
             if echo:
                 print(line, end="", flush=True)
         proc.wait()
@@ -92,10 +86,9 @@ def _run_streaming(command, env, timeout, echo):
         timer.cancel()
         if proc.poll() is None:
             _kill_group(proc)
-    result.returncode = proc.returncode
     if timer.fired:
-        result.lines.append(f"[launcher] killed after {timeout} s without finishing\n")
-    return result
+        lines.append(f"[launcher] killed after {timeout} s without finishing\n")
+    return proc.returncode, lines
 
 
 class _Killer:
