@@ -2,7 +2,7 @@
 
 A lab uses it like this:
 
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = distenv.ArgumentParser(description=__doc__)
     distenv.add_common_args(parser)              # --backend --out --seed --timeout
     args = parser.parse_args()
     with distenv.initialize(args) as env:        # process group up, device chosen
@@ -13,9 +13,11 @@ It works the same under `torchrun` (any number of processes and nodes) and under
 `python labs/<lab>.py` (a world of one, no port needed).
 """
 
+import argparse
 import contextlib
 import dataclasses
 import datetime
+import gc
 import json
 import os
 import platform
@@ -36,6 +38,13 @@ def fail(message):
     """Exit with one line, `<lab>: error: <message>`, and a non-zero status."""
     lab = Path(sys.argv[0]).stem or "lab"
     raise LabInputError(f"{lab}: error: {message}")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports bad input as one line, `<lab>: error: ...`, without usage."""
+
+    def error(self, message):
+        fail(message)
 
 
 def add_common_args(parser):
@@ -96,6 +105,7 @@ class DistEnv:
     local_world_size: int
     backend: str
     device: torch.device
+    simulated: bool = False  # rank 0 of a fake process group; the other ranks do not exist
 
     @property
     def is_rank0(self):
@@ -119,7 +129,8 @@ class DistEnv:
             "lab": lab,
             "world_size": self.world_size,
             "local_world_size": self.local_world_size,
-            "num_nodes": self.world_size // self.local_world_size,
+            "num_nodes": None if self.simulated else self.world_size // self.local_world_size,
+            "simulated": self.simulated,
             "backend": self.backend,
             "device": str(self.device),
             "hardware": hardware_description(self.device),
@@ -145,10 +156,30 @@ class DistEnv:
         return result
 
 
+def _init_fake_group(world_size, timeout):
+    """Rank 0 of a world of `world_size` in this one process: torch's fake process group.
+
+    Its collectives return at once without moving data, so everything a rank allocates
+    (its shards, its buckets) is real while the other ranks do not exist.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size,
+                            timeout=timeout)
+
+
 @contextlib.contextmanager
-def initialize(args):
-    """Create the process group for this process, yield a DistEnv, destroy it on exit."""
+def initialize(args, simulate_world_size=None):
+    """Create the process group for this process, yield a DistEnv, destroy it on exit.
+
+    With `simulate_world_size` N, this one process is rank 0 of a world of N through the
+    fake process group (collectives are no-ops): for measuring what one rank holds.
+    """
     under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if simulate_world_size is not None:
+        if under_launcher:
+            fail("--simulate-world-size runs in one process: start it with python, not torchrun")
+        if simulate_world_size < 1:
+            fail(f"--simulate-world-size must be at least 1, got {simulate_world_size}")
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -156,7 +187,7 @@ def initialize(args):
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     backend, reason = choose_backend(args.backend, local_world_size, gpus)
-    if reason and rank == 0:
+    if reason and rank == 0 and simulate_world_size is None:
         print(reason, flush=True)
     if backend == "nccl":
         device = torch.device("cuda", local_rank)
@@ -166,7 +197,10 @@ def initialize(args):
 
     timeout = datetime.timedelta(seconds=args.timeout)
     try:
-        if under_launcher:
+        if simulate_world_size is not None:
+            _init_fake_group(simulate_world_size, timeout)
+            backend, world_size = "fake", simulate_world_size
+        elif under_launcher:
             # torchrun has set MASTER_ADDR/MASTER_PORT (or its own store): use them.
             dist.init_process_group(backend, timeout=timeout)
         else:
@@ -178,8 +212,13 @@ def initialize(args):
         fail(f"rank {rank}: the process group of {world_size} did not form within "
              f"--timeout {args.timeout:g} s ({first_line})")
     torch.manual_seed(args.seed)
-    env = DistEnv(rank, world_size, local_rank, local_world_size, backend, device)
+    env = DistEnv(rank, world_size, local_rank, local_world_size, backend, device,
+                  simulated=simulate_world_size is not None)
     try:
         yield env
     finally:
+        # Free what the lab left behind while the group is alive. A DDP reducer that
+        # outlived the group would destroy it on its own, holding the GIL while gloo's
+        # worker threads wait for it: a deadlock at exit, seen about once in twenty runs.
+        gc.collect()
         dist.destroy_process_group()

@@ -196,8 +196,8 @@ def microbatches_per_epoch(env, args):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = distenv.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=STEPS, help="optimizer steps per variant")
     parser.add_argument("--batch-per-rank", type=int, default=BATCH_PER_RANK,
                         help="B, samples per rank per micro-step")

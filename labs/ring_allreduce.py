@@ -209,8 +209,8 @@ def sweep(env, sizes, repeats, segment_bytes):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = distenv.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--numel", type=int, default=NUMEL,
                         help="elements of the correctness run (float32)")
     parser.add_argument("--sizes", default=None,

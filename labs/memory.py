@@ -1,0 +1,356 @@
+"""Memory per GPU: predict it with the formulas, then measure it in torch's DDP, ZeRO-1 and FSDP2.
+
+  predict  bytes per GPU of parameters, gradients and optimizer state for ddp, zero1, zero2
+           and zero3 (memory_model's formulas); from a model shape, activations too.
+  measure  trains a few steps of a small transformer with torch's own implementation and
+           counts the bytes of the tensors rank 0 holds (its local shards only):
+             ddp    DistributedDataParallel
+             zero1  DDP + ZeroRedundancyOptimizer (optimizer state sharded)
+             zero2  FSDP2 fully_shard(reshard_after_forward=False)
+             zero3  FSDP2 fully_shard(reshard_after_forward=True)
+           Parameters are counted after the forward pass (what it left gathered), gradients
+           after backward, optimizer state after the step.
+
+Launch lines (from the repository root):
+  the ZeRO paper's example:  python labs/memory.py predict --params 7.5B --gpus 64
+  from a model shape:        python labs/memory.py predict --layers 32 --hidden 4096 \
+                               --heads 32 --seq 2048 --batch 1 --vocab 32000 --gpus 8
+  laptop, gloo on CPU:       torchrun --standalone --nproc_per_node=4 labs/memory.py \
+                               measure --strategy zero3 --out mem.json
+  rank 0 of 1024, simulated: python labs/memory.py measure --strategy zero3 \
+                               --simulate-world-size 1024 --out mem.json
+  GPU box, NCCL:             torchrun --standalone --nproc_per_node=8 labs/memory.py \
+                               measure --strategy zero3 --out mem.json
+  two nodes (run on each, HOST = node 0's address):
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
+             --rdzv-id=memory labs/memory.py measure --strategy zero3 --out mem.json
+
+predict --json prints {strategy: {params, grads, optimizer, total}} in bytes (from a model
+shape also activations and activations_checkpointed, their peaks, for each strategy).
+measure's JSON: `measured_bytes` and `predicted_bytes` {params, grads, optimizer, total};
+`layout_bytes`, the same predicted from the exact shard layout (FSDP2's row chunks, ZeRO-1's
+whole-tensor partition); `step_counter_bytes` (Adam's step counters, not in the formulas);
+`activation_bytes` {measured_per_layer, predicted_per_layer, measured, predicted};
+`peak_cuda_bytes` and `predicted_peak_bytes` on a GPU (null on CPU); `param_count`.
+"""
+
+import argparse
+import dataclasses
+import json
+
+import torch
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import distenv
+import memory_model
+from transformer import Shape, Transformer, next_token_loss, random_batch
+
+# The measured model: every sharded dimension (192, 384, 576, 768) divides by 1, 2, 3,
+# 4 and 64, so FSDP2's shards are exactly 1/N there; at N = 128 and beyond they are not.
+SHAPE = Shape(layers=2, hidden=192, heads=4, seq=192, vocab=384)
+BATCH = 2      # sequences per rank per step
+STEPS = 2      # Adam allocates its state in the first step; the second is the steady state
+LEARNING_RATE = 1e-3
+PRECISION = "fp32"  # torch's DDP, ZeRO-1 and FSDP2 keep fp32 states (see the chapter)
+GB = 1e9
+SHAPE_FIELDS = [field.name for field in dataclasses.fields(Shape)]
+
+OPTIMIZERS = {
+    "adam": (torch.optim.Adam, {"lr": LEARNING_RATE}),
+    "sgd": (torch.optim.SGD, {"lr": LEARNING_RATE}),
+    "momentum": (torch.optim.SGD, {"lr": LEARNING_RATE, "momentum": 0.9}),
+}
+
+
+def local_bytes(tensors):
+    """Bytes of the part of each tensor this rank holds: a DTensor's own shard."""
+    total = 0
+    for t in tensors:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        total += local.numel() * local.element_size()
+    return total
+
+
+def count_activation_bytes(model, ids, targets):
+    """Bytes autograd keeps for backward in one forward pass: {block index or 'outside': bytes}.
+
+    Every tensor saved for backward passes through the pack hook; each storage is counted
+    once (Q, K and V share one), and parameters and buffers are not activations.
+    """
+    module_state = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    owner, kept = ["outside"], {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in module_state:
+            kept.setdefault(storage.data_ptr(), (owner[0], storage.nbytes()))
+        return tensor
+
+    handles = []
+    for index, block in enumerate(model.blocks):
+        handles.append(block.register_forward_pre_hook(
+            lambda module, inputs, index=index: owner.__setitem__(0, index)))
+        handles.append(block.register_forward_hook(
+            lambda module, inputs, output: owner.__setitem__(0, "outside")))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = next_token_loss(model(ids), targets)
+    for handle in handles:
+        handle.remove()
+    by_owner = {}
+    for who, nbytes in kept.values():
+        by_owner[who] = by_owner.get(who, 0) + nbytes
+    del loss
+    return by_owner
+
+
+def wrap(model, strategy, env, optimizer_name):
+    """(module to call, optimizer) for one strategy, built with torch's own implementation."""
+    optimizer_class, options = OPTIMIZERS[optimizer_name]
+    if strategy in ("ddp", "zero1"):
+        device_ids = [env.device.index] if env.device.type == "cuda" else None
+        # gradient_as_bucket_view: gradients live in DDP's buckets instead of beside them
+        wrapped = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
+        if env.simulated:
+            wrapped.register_comm_hook(None, skip_allreduce)
+        if strategy == "ddp":
+            return wrapped, optimizer_class(wrapped.parameters(), **options)
+        # imported here: torch.distributed.optim warns about torch.jit when imported
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        return wrapped, ZeroRedundancyOptimizer(wrapped.parameters(),
+                                                optimizer_class=optimizer_class, **options)
+    # FSDP2: one unit per embedding, block and head, so the root holds no parameters of its
+    # own (the root is never resharded after forward).
+    reshard = strategy == "zero3"
+    for unit in model.units():
+        fully_shard(unit, reshard_after_forward=reshard)
+    fully_shard(model, reshard_after_forward=reshard)
+    return model, optimizer_class(model.parameters(), **options)
+
+
+def skip_allreduce(state, bucket):
+    """DDP communication hook for the fake process group: its all-reduce returns no tensor."""
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+def train_and_count(wrapped, optimizer, shape, args, env):
+    """Train `args.steps` steps; count what rank 0 holds in the last one."""
+    generator = torch.Generator().manual_seed(args.seed + env.rank)
+    counted = {}
+    for _ in range(args.steps):
+        optimizer.zero_grad(set_to_none=True)
+        ids, targets = random_batch(shape, args.batch, generator, env.device)
+        loss = next_token_loss(wrapped(ids), targets)
+        counted["params"] = local_bytes(wrapped.parameters())
+        loss.backward()
+        counted["grads"] = local_bytes(p.grad for p in wrapped.parameters() if p.grad is not None)
+        optimizer.step()
+    # ZeroRedundancyOptimizer keeps this rank's partition in an inner optimizer, `.optim`
+    local_optimizer = getattr(optimizer, "optim", optimizer)
+    state = [t for per_param in local_optimizer.state.values() for t in per_param.values()
+             if torch.is_tensor(t)]
+    counted["optimizer"] = local_bytes(t for t in state if t.dim() > 0)
+    counted["total"] = counted["params"] + counted["grads"] + counted["optimizer"]
+    step_counters = local_bytes(t for t in state if t.dim() == 0)
+    return counted, step_counters
+
+
+def layout_bytes(model, strategy, world_size, rank, optimizer_name):
+    """What rank `rank` holds under the real shard layout, from the parameter shapes alone."""
+    p, g, k = memory_model.bytes_per_parameter(optimizer_name, PRECISION)
+    shapes = [tuple(param.shape) for param in model.parameters()]
+    full = sum(torch.Size(shape).numel() for shape in shapes)
+    if strategy in ("ddp", "zero1"):
+        mine = full
+        if strategy == "zero1":
+            owners = memory_model.zero1_partition([torch.Size(s).numel() for s in shapes],
+                                                  world_size)
+            mine = sum(torch.Size(s).numel() for s, o in zip(shapes, owners) if o == rank)
+        result = {"params": p * full, "grads": g * full,
+                  "optimizer": k * (full if strategy == "ddp" else mine)}
+    else:
+        shard = sum(memory_model.fsdp2_shard_numel(s, world_size, rank) for s in shapes)
+        result = {"params": p * (full if strategy == "zero2" else shard),
+                  "grads": g * shard, "optimizer": k * shard}
+    result["total"] = sum(result.values())
+    return result
+
+
+def measure(args):
+    with distenv.initialize(args, simulate_world_size=args.simulate_world_size) as env:
+        # Measured in a function of its own, so the wrapped model and optimizer are gone
+        # before the process group is destroyed.
+        metrics = measure_on_rank(args, env)
+        report(metrics, env)
+        env.write_result("memory", args, metrics)
+
+
+def measure_on_rank(args, env):
+    """Build, wrap and train the model; return the lab's metrics (rank 0's view)."""
+    shape = shape_of(args)
+    torch.manual_seed(args.seed)
+    model = Transformer(shape).to(env.device)
+    param_count = sum(p.numel() for p in model.parameters())
+    layout = layout_bytes(model, args.strategy, env.world_size, env.rank, args.optimizer)
+
+    # Activations do not depend on the strategy: one forward of the bare model.
+    ids, targets = random_batch(shape, args.batch, torch.Generator().manual_seed(args.seed),
+                                env.device)
+    kept = count_activation_bytes(model, ids, targets)
+    value_bytes = 4  # fp32 activations, no dropout in this model
+    predicted_layer = memory_model.activation_bytes_per_layer(
+        shape.seq, args.batch, shape.hidden, shape.heads, value_bytes, dropout=False)
+    predicted_activations, _ = memory_model.activation_bytes(
+        shape.layers, shape.seq, args.batch, shape.hidden, shape.heads, shape.vocab,
+        value_bytes, dropout=False)
+
+    wrapped, optimizer = wrap(model, args.strategy, env, args.optimizer)
+    if env.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(env.device)
+    measured, step_counters = train_and_count(wrapped, optimizer, shape, args, env)
+    predicted = memory_model.state_bytes_per_gpu(param_count, env.world_size, args.strategy,
+                                                 args.optimizer, PRECISION)
+    peak = predicted_peak = None
+    if env.device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(env.device)
+        predicted_peak = predicted["total"] + predicted_activations
+    return {"strategy": args.strategy, "optimizer": args.optimizer, "precision": PRECISION,
+            "shape": dataclasses.asdict(shape) | {"batch": args.batch},
+            "param_count": param_count, "measured_bytes": measured,
+            "predicted_bytes": predicted, "layout_bytes": layout,
+            "step_counter_bytes": step_counters,
+            "activation_bytes": {"measured_per_layer": kept[0],
+                                 "predicted_per_layer": predicted_layer,
+                                 "measured": sum(kept.values()),
+                                 "predicted": predicted_activations},
+            "peak_cuda_bytes": peak, "predicted_peak_bytes": predicted_peak}
+
+
+def report(metrics, env):
+    """Rank 0 prints measured, formula and layout bytes side by side."""
+    measured, predicted = metrics["measured_bytes"], metrics["predicted_bytes"]
+    layout, activations = metrics["layout_bytes"], metrics["activation_bytes"]
+    where = "simulated " if env.simulated else ""
+    env.print0(f"{metrics['strategy']} ({metrics['optimizer']}, fp32), "
+               f"{metrics['param_count']:,} parameters: "
+               f"rank 0 of a {where}world of {env.world_size} on {env.device}")
+    env.print0(f"{'bytes':>10} {'measured':>12} {'formula':>12} {'layout':>12}")
+    for key in ("params", "grads", "optimizer", "total"):
+        env.print0(f"{key:>10} {measured[key]:>12,} {predicted[key]:>12,.0f} {layout[key]:>12,}")
+    env.print0(f"activations per layer: measured {activations['measured_per_layer']:,}, "
+               f"formula {activations['predicted_per_layer']:,}")
+    if metrics["peak_cuda_bytes"] is not None:
+        env.print0(f"peak CUDA memory {metrics['peak_cuda_bytes']:,} bytes; "
+                   f"states + activations {metrics['predicted_peak_bytes']:,.0f}")
+
+
+def predict(args):
+    if args.params is not None:
+        params, activations = args.params, None
+    else:
+        shape, batch = shape_of(args), args.batch
+        params = memory_model.transformer_params(shape.layers, shape.hidden, shape.vocab,
+                                                 shape.seq)
+        value_bytes = 2 if args.precision == "mixed" else 4
+        activations = {
+            name: memory_model.activation_bytes(
+                shape.layers, shape.seq, batch, shape.hidden, shape.heads, shape.vocab,
+                value_bytes, dropout=args.dropout, checkpointing=checkpointing)[1]
+            for name, checkpointing in (("activations", False),
+                                        ("activations_checkpointed", True))}
+    table = {}
+    for strategy in memory_model.STRATEGIES:
+        table[strategy] = memory_model.state_bytes_per_gpu(params, args.gpus, strategy,
+                                                           args.optimizer, args.precision)
+        table[strategy].update(activations or {})
+    if args.json:
+        print(json.dumps(table, indent=1))
+        return
+    p, g, k = memory_model.bytes_per_parameter(args.optimizer, args.precision)
+    print(f"{params / 1e9:.3f} B parameters on {args.gpus} GPUs, {args.optimizer}, "
+          f"{args.precision}: {p} + {g} + {k} bytes per parameter (GB = 1e9 bytes per GPU)")
+    columns = ("params", "grads", "optimizer", "total")
+    print(f"{'strategy':<9}" + "".join(f"{key:>11}" for key in columns))
+    for strategy, row in table.items():
+        print(f"{strategy:<9}" + "".join(f"{row[key] / GB:>11.2f}" for key in columns))
+    if activations:
+        print(f"activations per GPU at batch {args.batch}: {activations['activations'] / GB:.2f} GB, "
+              f"with full checkpointing {activations['activations_checkpointed'] / GB:.2f} GB "
+              f"(peak, {'with' if args.dropout else 'no'} dropout)")
+
+
+def parse_args(argv=None):
+    parser = distenv.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    pred = commands.add_parser("predict", help="bytes per GPU from the formulas")
+    pred.add_argument("--params", help="parameter count, e.g. 7.5B, 350M, 1.3e9")
+    pred.add_argument("--gpus", type=int, default=1, help="data-parallel ranks N")
+    pred.add_argument("--optimizer", choices=memory_model.OPTIMIZERS, default="adam")
+    pred.add_argument("--precision", choices=memory_model.PRECISIONS, default="mixed")
+    pred.add_argument("--batch", type=int, default=1, help="sequences per GPU (activations)")
+    pred.add_argument("--no-dropout", dest="dropout", action="store_false",
+                      help="activations of a model trained without dropout")
+    pred.add_argument("--json", action="store_true", help="print JSON, bytes per GPU")
+    meas = commands.add_parser("measure", help="count what rank 0 holds in torch's own")
+    meas.add_argument("--strategy", required=True, choices=memory_model.STRATEGIES)
+    meas.add_argument("--optimizer", choices=memory_model.OPTIMIZERS, default="adam")
+    meas.add_argument("--batch", type=int, default=BATCH, help="sequences per rank per step")
+    meas.add_argument("--steps", type=int, default=STEPS, help="training steps")
+    meas.add_argument("--simulate-world-size", type=int, default=None, metavar="N",
+                      help="be rank 0 of a world of N in this one process (fake process group)")
+    distenv.add_common_args(meas)
+    for sub, default in ((pred, None), (meas, SHAPE)):
+        group = sub.add_argument_group("model shape (GPT-style transformer)")
+        for field in SHAPE_FIELDS:
+            group.add_argument(f"--{field}", type=int,
+                               default=getattr(default, field) if default else None)
+    args = parser.parse_args(argv)
+    return check_args(args)
+
+
+def shape_of(args):
+    return Shape(*(getattr(args, field) for field in SHAPE_FIELDS))
+
+
+def check_args(args):
+    given = [f for f in SHAPE_FIELDS if getattr(args, f) is not None]
+    if args.command == "predict":
+        if args.gpus < 1:
+            distenv.fail(f"--gpus must be at least 1, got {args.gpus}")
+        if args.params is not None:
+            if given:
+                distenv.fail("give --params or a model shape (--layers ...), not both")
+            try:
+                args.params = memory_model.parse_count(args.params)
+            except ValueError as error:
+                distenv.fail(f"--params: {error}")
+            return args
+        if not given:
+            distenv.fail("give --params P, or a model shape: --layers --hidden --heads --seq --vocab")
+        missing = [f"--{f}" for f in SHAPE_FIELDS if f not in given]
+        if missing:
+            distenv.fail(f"a model shape needs {' '.join(missing)} as well")
+    elif args.steps < 1:
+        distenv.fail(f"--steps must be at least 1, got {args.steps}")
+    if args.batch < 1:
+        distenv.fail(f"--batch must be at least 1, got {args.batch}")
+    problem = shape_of(args).check()
+    if problem:
+        distenv.fail(problem)
+    return args
+
+
+def main():
+    args = parse_args()
+    if args.command == "predict":
+        predict(args)
+    else:
+        measure(args)
+
+
+if __name__ == "__main__":
+    main()

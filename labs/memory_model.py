@@ -1,0 +1,166 @@
+"""Memory cost models: bytes per GPU of parameters, gradients and optimizer state under
+DDP and ZeRO-1/2/3, the parameter count and activation memory of a transformer, and the
+exact shard layouts of torch's ZeRO-1 and FSDP2 implementations.
+
+Pure functions, no process group: the chapter computes its predictions with them, the
+memory lab reports them beside what it measures, and the tests check them against the
+ZeRO paper's numbers and by hand.
+
+Symbols follow the ZeRO paper (Rajbhandari et al., 2020): psi parameters, N data-parallel
+ranks, K bytes of optimizer state per parameter.
+"""
+
+import math
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+OPTIMIZERS = ("adam", "sgd", "momentum")
+PRECISIONS = ("fp32", "mixed")
+
+# Bytes of optimizer state per parameter, kept in fp32 whatever the training precision.
+OPTIMIZER_STATE_BYTES = {"sgd": 0, "momentum": 4, "adam": 8}  # -, momentum, (momentum, variance)
+FP32_MASTER_BYTES = 4  # mixed precision keeps an fp32 copy of the weights for the update
+
+
+def bytes_per_parameter(optimizer="adam", precision="mixed"):
+    """(parameter, gradient, optimizer) bytes per parameter, before any sharding.
+
+    fp32: 4 + 4 + state. Mixed precision (fp16/bf16 weights and gradients, the update in
+    fp32): 2 + 2 + K, where K = fp32 master copy + fp32 state; Adam gives K = 12 and 16
+    bytes in all, the ZeRO paper's 16 psi.
+    """
+    if optimizer not in OPTIMIZER_STATE_BYTES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
+    if precision == "fp32":
+        return 4, 4, OPTIMIZER_STATE_BYTES[optimizer]
+    if precision == "mixed":
+        return 2, 2, FP32_MASTER_BYTES + OPTIMIZER_STATE_BYTES[optimizer]
+    raise ValueError(f"unknown precision {precision!r}; choose from {', '.join(PRECISIONS)}")
+
+
+def _whole_if_integral(x):
+    return int(x) if float(x).is_integer() else x
+
+
+def state_bytes_per_gpu(params, gpus, strategy, optimizer="adam", precision="mixed"):
+    """{params, grads, optimizer, total} bytes one GPU holds for `params` parameters.
+
+    ddp    replicates all three:            (P + G + K) psi
+    zero1  shards the optimizer state:      P psi + G psi + K psi / N
+    zero2  ... and the gradients:           P psi + (G + K) psi / N
+    zero3  ... and the parameters:          (P + G + K) psi / N
+    """
+    if params < 0 or gpus < 1:
+        raise ValueError(f"need params >= 0 and gpus >= 1, got {params} and {gpus}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
+    p, g, k = bytes_per_parameter(optimizer, precision)
+    sharded = STRATEGIES.index(strategy)  # zero1 shards 1 of the 3 states, zero3 all three
+    divisor = {name: (gpus if sharded >= level else 1)
+               for name, level in (("optimizer", 1), ("grads", 2), ("params", 3))}
+    result = {"params": p * params / divisor["params"],
+              "grads": g * params / divisor["grads"],
+              "optimizer": k * params / divisor["optimizer"]}
+    result["total"] = sum(result.values())
+    return {name: _whole_if_integral(value) for name, value in result.items()}
+
+
+def transformer_params(layers, hidden, vocab, seq, tied_head=False):
+    """Parameters of a GPT-style transformer (labs/transformer.py).
+
+    Per block: QKV 3h^2 + 3h, output projection h^2 + h, MLP 8h^2 + 5h (h -> 4h -> h with
+    biases), two LayerNorms 4h: 12h^2 + 13h. Outside the blocks: token and position
+    embeddings (V + s) h, a final LayerNorm 2h, and an output head V h unless it is tied
+    to the token embedding.
+    """
+    per_block = 12 * hidden ** 2 + 13 * hidden
+    outside = (vocab + seq) * hidden + 2 * hidden + (0 if tied_head else vocab * hidden)
+    return layers * per_block + outside
+
+
+def activation_bytes_per_layer(seq, batch, hidden, heads, value_bytes=2, dropout=True):
+    """Bytes one transformer layer keeps for its backward pass (Korthikanti et al., 2022).
+
+    Stored values, each s*b*h unless noted: the inputs of both LayerNorms (2), QKV's input
+    (1), Q, K and V (3), the softmax output (a*s^2*b), the projection's input (1), the
+    MLP's input (1), the GELU's input and output (4 + 4): 16 sbh + a s^2 b values. Dropout
+    adds its output after softmax (a s^2 b values) and three 1-byte masks (a s^2 b + 2 sbh).
+    With 16-bit values and dropout: s b h (34 + 5 a s / h), the paper's formula.
+    Small terms it leaves out: LayerNorm's mean and 1/std, 2 s*b fp32 values per norm.
+    """
+    sbh, as2b = seq * batch * hidden, heads * seq ** 2 * batch
+    values = 16 * sbh + as2b + (as2b if dropout else 0)
+    masks = (as2b + 2 * sbh) if dropout else 0
+    return value_bytes * values + masks
+
+
+def head_activation_bytes(seq, batch, hidden, vocab, value_bytes=2):
+    """Bytes kept outside the layers: the final LayerNorm's input and output (2 sbh values)
+    and the softmax of the logits for the loss, s*b*V values in fp32 (4 bytes each)."""
+    return value_bytes * 2 * seq * batch * hidden + 4 * seq * batch * vocab
+
+
+def activation_bytes(layers, seq, batch, hidden, heads, vocab, value_bytes=2, dropout=True,
+                     checkpointing=False):
+    """(end_of_forward, peak): activation bytes of the whole model for one micro-batch.
+
+    Without checkpointing, every layer keeps its activations until its backward: the
+    peak is at the end of the forward pass, L layers plus the head. With full activation
+    checkpointing each layer keeps only its input (s b h values) and recomputes the rest
+    during backward, one layer at a time: the peak is the kept inputs plus the larger of
+    one layer's activations and the head's.
+    """
+    one_layer = activation_bytes_per_layer(seq, batch, hidden, heads, value_bytes, dropout)
+    head = head_activation_bytes(seq, batch, hidden, vocab, value_bytes)
+    if not checkpointing:
+        total = layers * one_layer + head
+        return total, total
+    kept = layers * value_bytes * seq * batch * hidden
+    return kept + head, kept + max(one_layer, head)
+
+
+# The exact layouts of torch's implementations: what rank r really holds.
+
+def fsdp2_shard_numel(shape, world_size, rank):
+    """Elements of a parameter of `shape` that FSDP2 gives rank `rank` (unpadded).
+
+    fully_shard splits dim 0 like torch.chunk: ceil(d0 / N) rows per rank, the last
+    ranks get fewer or none. So rank 0 holds more than 1/N whenever N does not divide d0,
+    and at least one row of every parameter: a row is the smallest shard there is.
+    """
+    rows = shape[0] if shape else 1
+    row_numel = math.prod(shape[1:]) if shape else 1
+    per_rank = math.ceil(rows / world_size)
+    start = min(rank * per_rank, rows)
+    return (min(start + per_rank, rows) - start) * row_numel
+
+
+def zero1_partition(numels, world_size):
+    """Which rank owns each tensor under torch's ZeroRedundancyOptimizer.
+
+    It assigns whole tensors, largest first, each to the rank with the fewest elements so
+    far (the lowest rank on a tie). Returns one rank per entry of `numels`.
+    """
+    loads = [0] * world_size
+    owner = [0] * len(numels)
+    for index in sorted(range(len(numels)), key=lambda i: numels[i], reverse=True):
+        rank = loads.index(min(loads))
+        owner[index] = rank
+        loads[rank] += numels[index]
+    return owner
+
+
+def parse_count(text):
+    """'7.5B' -> 7500000000, '350M', '1.3e9', '120000' -> a parameter count (decimal units).
+
+    ValueError if it is not a non-negative number."""
+    units = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
+    text = str(text).strip()
+    scale = units.get(text[-1:].upper(), 1)
+    number = text[:-1] if scale != 1 else text
+    try:
+        value = float(number) * scale
+    except ValueError:
+        raise ValueError(f"bad parameter count {text!r}: use e.g. 7.5B, 350M or 1.3e9") from None
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"the parameter count must be a non-negative number, got {text!r}")
+    return round(value)

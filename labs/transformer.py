@@ -1,0 +1,113 @@
+"""A small GPT-style transformer whose memory can be counted exactly.
+
+Every tensor it creates is the one the memory formulas count: a fused QKV projection,
+attention written out (matmul, softmax, matmul) rather than a fused kernel that keeps
+different tensors for backward, a 4h MLP with GELU, pre-LayerNorm, learned positions and
+an untied output head. Its parameter count is `memory_model.transformer_params` exactly.
+
+The embedding, each block and the head are separate modules (`units()`), so a sharding
+wrapper such as FSDP2 can treat each as one unit and leave the root holding nothing.
+"""
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    vocab: int
+
+    def check(self):
+        """Return a message saying what is wrong with the shape, or None."""
+        for name, value in dataclasses.asdict(self).items():
+            if value < 1:
+                return f"--{name} must be a positive integer, got {value}"
+        if self.hidden % self.heads:
+            return f"--hidden {self.hidden} is not divisible by --heads {self.heads}"
+        return None
+
+
+class Embedding(nn.Module):
+    def __init__(self, shape):
+        super().__init__()
+        self.tokens = nn.Embedding(shape.vocab, shape.hidden)
+        self.positions = nn.Embedding(shape.seq, shape.hidden)
+
+    def forward(self, ids):
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        return self.tokens(ids) + self.positions(positions)
+
+
+class Block(nn.Module):
+    """Pre-LN attention + MLP, with residuals: 12h^2 + 13h parameters."""
+
+    def __init__(self, shape):
+        super().__init__()
+        h = shape.hidden
+        self.heads = shape.heads
+        self.norm1 = nn.LayerNorm(h)
+        self.qkv = nn.Linear(h, 3 * h)
+        self.proj = nn.Linear(h, h)
+        self.norm2 = nn.LayerNorm(h)
+        self.fc1 = nn.Linear(h, 4 * h)
+        self.fc2 = nn.Linear(4 * h, h)
+        causal = torch.ones(shape.seq, shape.seq, dtype=torch.bool).triu(1)
+        self.register_buffer("future", causal, persistent=False)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        d = h // self.heads
+        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, d).permute(2, 0, 3, 1, 4)
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))
+        weights = scores.masked_fill(self.future[:s, :s], float("-inf")).softmax(dim=-1)
+        attended = (weights @ v).transpose(1, 2).reshape(b, s, h)
+        x = x + self.proj(attended)
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class Head(nn.Module):
+    def __init__(self, shape):
+        super().__init__()
+        self.norm = nn.LayerNorm(shape.hidden)
+        self.out = nn.Linear(shape.hidden, shape.vocab, bias=False)
+
+    def forward(self, x):
+        return self.out(self.norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, shape):
+        super().__init__()
+        self.shape = shape
+        self.embed = Embedding(shape)
+        self.blocks = nn.ModuleList(Block(shape) for _ in range(shape.layers))
+        self.head = Head(shape)
+
+    def units(self):
+        """The modules a sharding wrapper should wrap one by one, in forward order."""
+        return [self.embed, *self.blocks, self.head]
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def next_token_loss(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def random_batch(shape, batch, generator, device):
+    """Token ids and next-token targets drawn at random: memory does not care what they say."""
+    ids = torch.randint(shape.vocab, (batch, shape.seq + 1), generator=generator)
+    ids = ids.to(device)
+    return ids[:, :-1], ids[:, 1:]

@@ -1,0 +1,127 @@
+"""Memory cost models, against the ZeRO paper's numbers, torch's own layouts and hand counts."""
+
+import pytest
+import torch
+
+import memory_model
+from transformer import Shape, Transformer
+
+GB = 1e9
+
+
+def test_zero_paper_worked_example():
+    # Rajbhandari et al. 2020, Figure 1: psi = 7.5B, N_d = 64, K = 12 (mixed-precision Adam)
+    totals = {s: memory_model.state_bytes_per_gpu(7.5e9, 64, s, "adam", "mixed")["total"]
+              for s in memory_model.STRATEGIES}
+    assert totals["ddp"] == 120 * GB
+    assert round(totals["zero1"] / GB, 1) == 31.4
+    assert round(totals["zero2"] / GB, 1) == 16.6
+    assert round(totals["zero3"] / GB, 2) == 1.88
+
+
+@pytest.mark.parametrize("optimizer, precision, expected", [
+    ("adam", "mixed", (2, 2, 12)),     # fp32 master + momentum + variance: the paper's K = 12
+    ("momentum", "mixed", (2, 2, 8)),
+    ("sgd", "mixed", (2, 2, 4)),       # the master copy alone
+    ("adam", "fp32", (4, 4, 8)),
+    ("momentum", "fp32", (4, 4, 4)),
+    ("sgd", "fp32", (4, 4, 0)),
+])
+def test_bytes_per_parameter(optimizer, precision, expected):
+    assert memory_model.bytes_per_parameter(optimizer, precision) == expected
+
+
+def test_each_stage_shards_one_more_state():
+    psi, n = 1000, 8
+    by = {s: memory_model.state_bytes_per_gpu(psi, n, s, "adam", "fp32")
+          for s in memory_model.STRATEGIES}
+    assert by["ddp"] == {"params": 4000, "grads": 4000, "optimizer": 8000, "total": 16000}
+    assert by["zero1"] == {"params": 4000, "grads": 4000, "optimizer": 1000, "total": 9000}
+    assert by["zero2"] == {"params": 4000, "grads": 500, "optimizer": 1000, "total": 5500}
+    assert by["zero3"] == {"params": 500, "grads": 500, "optimizer": 1000, "total": 2000}
+
+
+def test_one_gpu_shards_nothing():
+    rows = [memory_model.state_bytes_per_gpu(12345, 1, s) for s in memory_model.STRATEGIES]
+    assert all(row == rows[0] for row in rows)
+
+
+@pytest.mark.parametrize("bad", [
+    dict(params=-1, gpus=4, strategy="ddp"),
+    dict(params=10, gpus=0, strategy="ddp"),
+    dict(params=10, gpus=4, strategy="zero4"),
+    dict(params=10, gpus=4, strategy="ddp", optimizer="lion"),
+    dict(params=10, gpus=4, strategy="ddp", precision="fp8"),
+])
+def test_bad_arguments_raise(bad):
+    with pytest.raises(ValueError):
+        memory_model.state_bytes_per_gpu(**bad)
+
+
+@pytest.mark.parametrize("shape", [Shape(2, 192, 4, 192, 384), Shape(3, 36, 3, 7, 11)])
+def test_transformer_params_counts_the_model(shape):
+    model = Transformer(shape)
+    counted = sum(p.numel() for p in model.parameters())
+    assert counted == memory_model.transformer_params(shape.layers, shape.hidden, shape.vocab,
+                                                      shape.seq)
+
+
+def test_activations_per_layer_is_korthikanti_formula_in_16_bit_with_dropout():
+    s, b, h, a = 2048, 4, 1024, 16
+    assert memory_model.activation_bytes_per_layer(s, b, h, a) == s * b * h * (34 + 5 * a * s / h)
+
+
+def test_activations_without_dropout_in_fp32_by_hand():
+    s, b, h, a = 10, 2, 8, 2
+    # 16 sbh values + a s^2 b softmax values, 4 bytes each
+    assert memory_model.activation_bytes_per_layer(s, b, h, a, 4, dropout=False) == 4 * (
+        16 * 160 + 400)
+
+
+def test_checkpointing_keeps_layer_inputs_and_recomputes_one_layer():
+    layers, s, b, h, a, v = 4, 16, 2, 8, 2, 32
+    layer = memory_model.activation_bytes_per_layer(s, b, h, a)
+    head = memory_model.head_activation_bytes(s, b, h, v)
+    assert head == 2 * 2 * s * b * h + 4 * s * b * v
+    plain = memory_model.activation_bytes(layers, s, b, h, a, v)
+    assert plain == (layers * layer + head,) * 2
+    kept, peak = memory_model.activation_bytes(layers, s, b, h, a, v, checkpointing=True)
+    assert kept == layers * 2 * s * b * h + head
+    assert peak == layers * 2 * s * b * h + max(layer, head)
+    assert peak < plain[1]
+
+
+@pytest.mark.parametrize("shape", [(5,), (7, 3), (2, 4), (1,), (1024, 6), ()])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+def test_fsdp2_shards_follow_torch_chunk(shape, n):
+    tensor = torch.empty(shape)
+    chunks = torch.chunk(tensor.reshape(-1) if not shape else tensor, n, dim=0)
+    for rank in range(n):
+        expected = chunks[rank].numel() if rank < len(chunks) else 0
+        assert memory_model.fsdp2_shard_numel(shape, n, rank) == expected
+    assert sum(memory_model.fsdp2_shard_numel(shape, n, r) for r in range(n)) == tensor.numel()
+
+
+def test_fsdp2_rank0_holds_a_whole_row_when_rows_are_fewer_than_ranks():
+    assert memory_model.fsdp2_shard_numel((192, 64), 1024, 0) == 64   # not 192 * 64 / 1024 = 12
+    assert memory_model.fsdp2_shard_numel((192, 64), 1024, 500) == 0
+
+
+def test_zero1_partition_assigns_whole_tensors_largest_first():
+    # largest first, each to the lighter rank: 10 -> r0, 7 -> r1, 5 -> r1 (7 < 10),
+    # the first 3 -> r0 (10 < 12), the second 3 -> r1 (12 < 13)
+    assert memory_model.zero1_partition([3, 10, 5, 7, 3], 2) == [0, 0, 1, 1, 1]
+    assert memory_model.zero1_partition([4, 4, 4], 4) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("text, count", [("7.5B", 7_500_000_000), ("350M", 350_000_000),
+                                         ("1.3e9", 1_300_000_000), ("120000", 120_000),
+                                         ("2k", 2000), ("0", 0)])
+def test_parse_count(text, count):
+    assert memory_model.parse_count(text) == count
+
+
+@pytest.mark.parametrize("text", ["-3", "abc", "7X", "", "inf", "nan"])
+def test_parse_count_rejects_bad_counts(text):
+    with pytest.raises(ValueError):
+        memory_model.parse_count(text)
