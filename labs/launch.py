@@ -37,13 +37,19 @@ class LabError(RuntimeError):
 
 def reader_command(lab, nproc, args=()):
     """The command a reader would type for the same run, from the repository root."""
+    if nproc is None:
+        return shlex.join(["python", f"labs/{lab}.py", *map(str, args)])
     words = ["torchrun", "--standalone", f"--nproc_per_node={nproc}", f"labs/{lab}.py",
              *map(str, args)]
     return shlex.join(words)
 
 
 def run_lab(lab, nproc=1, args=(), *, timeout=900, echo=True):
-    """Launch `labs/<lab>.py` on `nproc` local processes; return its parsed JSON result."""
+    """Launch `labs/<lab>.py` on `nproc` local processes; return its parsed JSON result.
+
+    nproc=None runs `python labs/<lab>.py` as one process without torchrun, for what a
+    lab does in one process alone (the memory lab's --simulate-world-size).
+    """
     script = LABS_DIR / f"{lab}.py"
     if not script.is_file():
         raise FileNotFoundError(f"no lab named {lab!r}: {script} does not exist")
@@ -53,8 +59,9 @@ def run_lab(lab, nproc=1, args=(), *, timeout=900, echo=True):
 
     with tempfile.TemporaryDirectory(prefix=f"{lab}-") as tmp:
         out = Path(tmp) / f"{lab}.json"
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc_per_node={nproc}", str(script), *args, "--out", str(out)]
+        launcher = [] if nproc is None else ["-m", "torch.distributed.run", "--standalone",
+                                             f"--nproc_per_node={nproc}"]
+        command = [sys.executable, *launcher, str(script), *args, "--out", str(out)]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         # Without it torchrun prints a banner and sets 1 itself; with N ranks on few
         # cores, one thread per rank is also what keeps them from fighting.

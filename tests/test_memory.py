@@ -80,26 +80,24 @@ def test_measured_activations_are_the_formula_plus_layernorm_statistics():
     assert result["peak_cuda_bytes"] is None or result["device"].startswith("cuda")
 
 
-def simulate(script, folder, strategy, world_size):
-    out = folder / f"{strategy}_{world_size}.json"
-    done = script("memory", "measure", "--strategy", strategy,
-                  "--simulate-world-size", world_size, "--out", out, timeout=60)
-    assert done.returncode == 0, done.stderr
-    return json.loads(out.read_text())
+def simulate(strategy, world_size):
+    """Rank 0 of a simulated world: plain `python labs/memory.py`, no torchrun."""
+    return run_lab("memory", None, ["measure", "--strategy", strategy,
+                                    "--simulate-world-size", world_size], echo=False)
 
 
 @pytest.mark.parametrize("world_size", [64, 1024])
 @pytest.mark.parametrize("strategy", memory_model.STRATEGIES)
-def test_simulated_world_sizes(script, tmp_path, strategy, world_size):
-    result = simulate(script, tmp_path, strategy, world_size)
+def test_simulated_world_sizes(strategy, world_size):
+    result = simulate(strategy, world_size)
     assert result["simulated"] is True and result["backend"] == "fake"
     check_measurement(result, strategy, world_size)
 
 
-def test_fsdp2_cannot_shard_below_one_row(script, tmp_path):
+def test_fsdp2_cannot_shard_below_one_row():
     # Every sharded dimension of the default model (192 to 768 rows) is smaller than 1024:
     # rank 0 holds one whole row of each parameter, far above psi / N.
-    result = simulate(script, tmp_path, "zero3", 1024)
+    result = simulate("zero3", 1024)
     one_row_each = sum(4 * p[0].numel() for p in Transformer(memory.SHAPE).parameters())
     assert result["measured_bytes"]["params"] == one_row_each
     assert one_row_each > 3 * result["predicted_bytes"]["params"]
