@@ -219,6 +219,6 @@ def initialize(args, simulate_world_size=None):
     finally:
         # Free what the lab left behind while the group is alive. A DDP reducer that
         # outlived the group would destroy it on its own, holding the GIL while gloo's
-        # worker threads wait for it: a deadlock at exit, seen about once in twenty runs.
+        # worker threads wait for it: a deadlock at exit, seen in about one run in twelve.
         gc.collect()
         dist.destroy_process_group()

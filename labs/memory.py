@@ -95,13 +95,12 @@ def count_activation_bytes(model, ids, targets):
         handles.append(block.register_forward_hook(
             lambda module, inputs, output: owner.__setitem__(0, "outside")))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        loss = next_token_loss(model(ids), targets)
+        next_token_loss(model(ids), targets)  # the graph keeps every saved tensor alive
     for handle in handles:
         handle.remove()
     by_owner = {}
     for who, nbytes in kept.values():
         by_owner[who] = by_owner.get(who, 0) + nbytes
-    del loss
     return by_owner
 
 
@@ -161,20 +160,17 @@ def train_and_count(wrapped, optimizer, shape, args, env):
 def layout_bytes(model, strategy, world_size, rank, optimizer_name):
     """What rank `rank` holds under the real shard layout, from the parameter shapes alone."""
     p, g, k = memory_model.bytes_per_parameter(optimizer_name, PRECISION)
-    shapes = [tuple(param.shape) for param in model.parameters()]
-    full = sum(torch.Size(shape).numel() for shape in shapes)
+    numels = [param.numel() for param in model.parameters()]
+    full = sum(numels)
     if strategy in ("ddp", "zero1"):
-        mine = full
-        if strategy == "zero1":
-            owners = memory_model.zero1_partition([torch.Size(s).numel() for s in shapes],
-                                                  world_size)
-            mine = sum(torch.Size(s).numel() for s, o in zip(shapes, owners) if o == rank)
-        result = {"params": p * full, "grads": g * full,
-                  "optimizer": k * (full if strategy == "ddp" else mine)}
+        owners = memory_model.zero1_partition(numels, world_size)
+        mine = sum(n for n, owner in zip(numels, owners) if owner == rank)
+        held = (full, full, full if strategy == "ddp" else mine)
     else:
-        shard = sum(memory_model.fsdp2_shard_numel(s, world_size, rank) for s in shapes)
-        result = {"params": p * (full if strategy == "zero2" else shard),
-                  "grads": g * shard, "optimizer": k * shard}
+        shard = sum(memory_model.fsdp2_shard_numel(tuple(param.shape), world_size, rank)
+                    for param in model.parameters())
+        held = (full if strategy == "zero2" else shard, shard, shard)
+    result = {"params": p * held[0], "grads": g * held[1], "optimizer": k * held[2]}
     result["total"] = sum(result.values())
     return result
 

@@ -149,6 +149,17 @@ def zero1_partition(numels, world_size):
     return owner
 
 
+def formula_is_exact(strategy, world_size, first_dims):
+    """Whether rank 0 holds exactly what state_bytes_per_gpu says, for parameters whose
+    dim-0 sizes are `first_dims`: always for DDP; for FSDP2 (zero2, zero3) when N divides
+    every dim 0; for ZeRO-1's whole-tensor partition only on one rank."""
+    if strategy == "zero1":
+        return world_size == 1
+    if strategy in ("zero2", "zero3"):
+        return all(rows % world_size == 0 for rows in first_dims)
+    return True
+
+
 def parse_count(text):
     """'7.5B' -> 7500000000, '350M', '1.3e9', '120000' -> a parameter count (decimal units).
 

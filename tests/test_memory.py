@@ -38,13 +38,7 @@ def test_predict_from_a_shape_adds_activations(script):
     assert row["activations_checkpointed"] < row["activations"]
 
 
-def formula_is_exact(strategy, world_size):
-    """Where psi / N is what a rank really holds: FSDP2 when N divides every dim 0 (it
-    shards rows), ZeRO-1 only on one rank (it hands out whole tensors), DDP always."""
-    if strategy == "zero1":
-        return world_size == 1
-    rows = [p.shape[0] for p in Transformer(memory.SHAPE).parameters()]
-    return strategy == "ddp" or all(r % world_size == 0 for r in rows)
+FIRST_DIMS = [p.shape[0] for p in Transformer(memory.SHAPE).parameters()]
 
 
 def check_measurement(result, strategy, world_size):
@@ -54,7 +48,7 @@ def check_measurement(result, strategy, world_size):
     # The real layout of torch's implementation predicts every byte, at every N ...
     assert measured == result["layout_bytes"]
     # ... and the formula does wherever its arithmetic is exact; elsewhere rank 0 holds more.
-    if formula_is_exact(strategy, world_size):
+    if memory_model.formula_is_exact(strategy, world_size, FIRST_DIMS):
         assert measured == predicted
     else:
         assert measured["total"] > predicted["total"]

@@ -125,3 +125,11 @@ def test_parse_count(text, count):
 def test_parse_count_rejects_bad_counts(text):
     with pytest.raises(ValueError):
         memory_model.parse_count(text)
+
+
+def test_formula_is_exact_where_the_layout_divides_evenly():
+    assert memory_model.formula_is_exact("ddp", 1024, [3])
+    assert memory_model.formula_is_exact("zero3", 4, [192, 768])
+    assert not memory_model.formula_is_exact("zero3", 128, [192, 768])
+    assert memory_model.formula_is_exact("zero1", 1, [5])
+    assert not memory_model.formula_is_exact("zero1", 2, [4, 4])
