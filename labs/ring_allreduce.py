@@ -26,14 +26,13 @@ ring_busbw_gbps, library_busbw_gbps, ...}], alpha_s, beta_bytes_per_s (fitted to
 """
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 import comm_model
 import distenv
+import timing
 
 # correctness run
 NUMEL = 1_000_003          # does not divide by any small N: unequal chunks by default
@@ -158,24 +157,6 @@ def check_correctness(env, numel, seed, segment_bytes):
     }
 
 
-def _timed(env, operation):
-    """Seconds for one call, as the slowest rank saw it (barrier first, sync before the clock)."""
-    dist.barrier()
-    start = time.perf_counter()
-    operation()
-    if env.device.type == "cuda":
-        torch.cuda.synchronize(env.device)
-    elapsed = torch.tensor([time.perf_counter() - start], device=env.device)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item()
-
-
-def _summary(times):
-    ordered = sorted(times)
-    quartile = max(1, len(ordered) // 4)
-    return statistics.median(ordered), ordered[quartile - 1], ordered[-quartile]
-
-
 def sweep(env, sizes, repeats, segment_bytes):
     """Time the ring and dist.all_reduce on each size, alternating, median of the repeats."""
     rows = []
@@ -191,13 +172,13 @@ def sweep(env, sizes, repeats, segment_bytes):
         for index in range(WARMUP + repeats):
             for name, operation in implementations.items():
                 buffer.copy_(source)  # same input each time, outside the timed region
-                elapsed = _timed(env, operation)
+                elapsed = timing.timed(env.device, operation)
                 if index >= WARMUP:
                     times[name].append(elapsed)
             env.progress(f"{size} bytes: {index + 1}/{WARMUP + repeats}")
         row = {"bytes": numel * ELEMENT_SIZE}
         for name in implementations:
-            median, low, high = _summary(times[name])
+            median, low, high = timing.summary(times[name])
             row[f"{name}_time_s"] = median
             row[f"{name}_time_quartiles_s"] = [low, high]
             row[f"{name}_busbw_gbps"] = (comm_model.bus_bandwidth("all_reduce", row["bytes"], median,

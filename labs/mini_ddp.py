@@ -1,0 +1,313 @@
+"""Data parallelism built three ways, then torch's own, trained on the same data and timed.
+
+  naive       after backward, one all-reduce per parameter. Not used in practice, but
+              every later idea fixes one of its costs: one latency per tensor, and no
+              communication until the whole backward pass is over.
+  bucketed    after backward, gradients copied into flat buckets of --bucket-mb (DDP's
+              grouping), one all-reduce per bucket: fewer, larger messages.
+  overlapped  the same buckets, each all-reduced asynchronously as soon as backward has
+              produced all its gradients, while backward goes on with earlier layers.
+  torch_ddp   torch.nn.parallel.DistributedDataParallel with the same bucket cap.
+
+All variants start from the same weights and train on the same shards of the same
+batches; steps alternate between them, so a slow moment of the machine hits all alike.
+At the end each is compared with one process that trained on the whole batch.
+
+--comm-delay-ns-per-byte D slows the network down in software: each all-reduce first
+waits D ns per byte a rank sends in a ring (2(N-1)/N times its size), one all-reduce at a
+time on a communication thread of its own, in the scratch variants and (through a
+communication hook) in torch DDP. The wait uses no CPU, so it can hide behind backward as
+a transfer over a real network hides behind GPU compute; D = 1 is a 1 GB/s link.
+
+Launch lines (from the repository root):
+  laptop, gloo on CPU:   torchrun --standalone --nproc_per_node=2 labs/mini_ddp.py
+  with a slow link:      torchrun --standalone --nproc_per_node=2 labs/mini_ddp.py \
+                           --comm-delay-ns-per-byte 5
+  GPU box, NCCL:         torchrun --standalone --nproc_per_node=8 labs/mini_ddp.py --out ddp.json
+  two nodes (run on each, HOST = node 0's address):
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
+             --rdzv-id=mini_ddp labs/mini_ddp.py --out ddp.json
+
+JSON: `variants` {name: {step_time_s (median), step_time_spread_s (interquartile range),
+max_param_diff (against the single-process reference)}}; `bucket_bytes` (the scratch
+buckets, in all-reduce order), `param_bytes` (one per parameter, same order), and the
+compute of one step without communication: `forward_time_s`, `backward_time_s`,
+`optimizer_time_s`.
+"""
+
+import argparse
+import concurrent.futures
+import copy
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import distenv
+import time_model
+import timing
+from transformer import Shape, Transformer, next_token_loss, random_batch
+
+# model and data: about 0.93 M parameters (3.7 MB of fp32 gradients), four 1 MiB buckets
+SHAPE = Shape(layers=4, hidden=128, heads=4, seq=64, vocab=512)
+BATCH = 4              # sequences per rank per step
+LEARNING_RATE = 0.1    # plain SGD: the result depends on the gradients alone
+# timing
+STEPS = 14             # training steps of every variant
+WARMUP = 2             # first steps left out of the timing (allocation, DDP's bucket rebuild)
+BUCKET_MB = 1.0        # bucket cap of the scratch variants and of DDP
+VARIANTS = ("naive", "bucketed", "overlapped", "torch_ddp")
+
+
+class Link:
+    """Where every all-reduce of the lab goes. all_reduce(t) sums t over the ranks in place
+    and returns a torch Future; with a delay, the all-reduces queue on one thread and each
+    first waits its delay (time.sleep, which releases the CPU), like transfers on a link."""
+
+    def __init__(self, world_size, ns_per_byte):
+        self.world_size, self.ns_per_byte = world_size, ns_per_byte
+        self.thread = concurrent.futures.ThreadPoolExecutor(1) if ns_per_byte > 0 else None
+
+    def all_reduce(self, tensor):
+        if self.thread is None:
+            return dist.all_reduce(tensor, async_op=True).get_future()
+        future = torch.futures.Future()
+        self.thread.submit(self._transfer, tensor, future)
+        return future
+
+    def _transfer(self, tensor, future):
+        try:
+            size = tensor.numel() * tensor.element_size()
+            time.sleep(time_model.delay_s(size, self.world_size, self.ns_per_byte))
+            dist.all_reduce(tensor)
+            future.set_result([tensor])
+        except Exception as error:  # hand it to whoever waits, instead of hanging them
+            future.set_exception(error)
+
+    def close(self):
+        if self.thread is not None:
+            self.thread.shutdown()
+
+
+class Bucket:
+    """A flat buffer for the gradients of a few parameters, all-reduced as one message."""
+
+    def __init__(self, params):
+        self.params = params
+        self.buffer = torch.empty(sum(p.numel() for p in params), device=params[0].device)
+        self.views = list(self.buffer.split([p.numel() for p in params]))
+
+    def pack(self):
+        for view, param in zip(self.views, self.params):
+            view.copy_(param.grad.view(-1))
+
+    def unpack(self, scale):
+        self.buffer.mul_(scale)
+        for view, param in zip(self.views, self.params):
+            param.grad.copy_(view.view_as(param.grad))
+
+
+class Naive:
+    def __init__(self, model, link, bucket_bytes_cap):
+        self.model, self.link = model, link
+        self.params = [p for p in model.parameters() if p.requires_grad]
+
+    def after_backward(self):
+        for param in self.params:
+            self.link.all_reduce(param.grad).wait()
+            param.grad.div_(self.link.world_size)
+
+
+class Bucketed(Naive):
+    def __init__(self, model, link, bucket_bytes_cap):
+        super().__init__(model, link, bucket_bytes_cap)
+        # Last parameter first: the order backward produces gradients, as DDP does.
+        ready_order = self.params[::-1]
+        sizes = [p.numel() * p.element_size() for p in ready_order]
+        layout = time_model.bucket_layout(sizes, (bucket_bytes_cap, bucket_bytes_cap))
+        self.buckets = [Bucket([ready_order[i] for i in indices]) for indices in layout]
+
+    def after_backward(self):
+        for bucket in self.buckets:
+            bucket.pack()
+            self.link.all_reduce(bucket.buffer).wait()
+            bucket.unpack(1.0 / self.link.world_size)
+
+
+class Overlapped(Bucketed):
+    def __init__(self, model, link, bucket_bytes_cap):
+        super().__init__(model, link, bucket_bytes_cap)
+        self.bucket_of = {param: i for i, b in enumerate(self.buckets) for param in b.params}
+        self._reset()
+        for param in self.params:
+            param.register_post_accumulate_grad_hook(self._gradient_ready)
+
+    def _reset(self):
+        self.missing = [len(bucket.params) for bucket in self.buckets]
+        self.futures, self.launched = [], 0
+
+    def _gradient_ready(self, param):
+        """Runs inside backward. Buckets are launched in index order, whatever order their
+        gradients arrive in, so every rank issues the same all-reduces in the same order."""
+        self.missing[self.bucket_of[param]] -= 1
+        while self.launched < len(self.buckets) and self.missing[self.launched] == 0:
+            bucket = self.buckets[self.launched]
+            bucket.pack()
+            self.futures.append(self.link.all_reduce(bucket.buffer))
+            self.launched += 1
+
+    def after_backward(self):
+        if self.launched != len(self.buckets):
+            raise RuntimeError("backward did not produce every gradient (an unused parameter?)")
+        for bucket, future in zip(self.buckets, self.futures):
+            future.wait()
+            bucket.unpack(1.0 / self.link.world_size)
+        self._reset()
+
+
+class TorchDDP:
+    def __init__(self, model, link, bucket_bytes_cap):
+        self.model = DDP(model, bucket_cap_mb=bucket_bytes_cap / 2**20)
+        if link.thread is not None:
+            self.model.register_comm_hook(link, delayed_allreduce_hook)
+
+    def after_backward(self):
+        pass  # DDP has averaged the gradients during backward
+
+
+def delayed_allreduce_hook(link, bucket):
+    """DDP communication hook: average one bucket through the slow link."""
+    buffer = bucket.buffer().div_(link.world_size)
+    return link.all_reduce(buffer).then(lambda future: future.value()[0])
+
+
+IMPLEMENTATIONS = {"naive": Naive, "bucketed": Bucketed, "overlapped": Overlapped,
+                   "torch_ddp": TorchDDP}
+
+
+def batch(args, step, rank, device):
+    """The batch rank `rank` trains on at `step`: the same on every run, whatever N is."""
+    generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + rank)
+    return random_batch(SHAPE, args.batch, generator, device)
+
+
+def train_step(model, optimizer, ids, targets, after_backward=lambda: None):
+    next_token_loss(model(ids), targets).backward()
+    after_backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def reference_params(initial, args, env):
+    """One process, the whole batch (all ranks' shards) at every step."""
+    model = copy.deepcopy(initial)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    for step in range(args.steps):
+        shards = [batch(args, step, r, env.device) for r in range(env.world_size)]
+        ids, targets = (torch.cat(parts) for parts in zip(*shards))
+        train_step(model, optimizer, ids, targets)
+    return list(model.parameters())
+
+
+def max_param_diff(params, reference, device):
+    """Largest |difference| to the reference, over all parameters and all ranks."""
+    diff = max((p.detach() - r.detach()).abs().max().item() for p, r in zip(params, reference))
+    worst = torch.tensor([diff], device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return worst.item()
+
+
+def run(args, env):
+    torch.manual_seed(args.seed)
+    initial = Transformer(SHAPE).to(env.device)
+    link = Link(env.world_size, args.comm_delay_ns_per_byte)
+    cap = int(args.bucket_mb * 2**20)
+    runs = {}
+    for name in args.variants:
+        implementation = IMPLEMENTATIONS[name](copy.deepcopy(initial), link, cap)
+        optimizer = torch.optim.SGD(implementation.model.parameters(), lr=LEARNING_RATE)
+        runs[name] = (implementation, optimizer, [])
+    for step in range(args.steps):
+        ids, targets = batch(args, step, env.rank, env.device)
+        for name, (implementation, optimizer, times) in runs.items():
+            elapsed = timing.timed(env.device, lambda: train_step(
+                implementation.model, optimizer, ids, targets, implementation.after_backward))
+            if step >= args.warmup:
+                times.append(elapsed)
+        env.progress(f"step {step + 1}/{args.steps}")
+    env.progress("")
+    link.close()
+
+    reference = reference_params(initial, args, env)
+    variants = {}
+    for name, (implementation, _, times) in runs.items():
+        median, low, high = timing.summary(times)
+        variants[name] = {"step_time_s": median, "step_time_spread_s": high - low,
+                          "max_param_diff": max_param_diff(
+                              implementation.model.parameters(), reference, env.device)}
+    params = [p for p in initial.parameters()][::-1]
+    sizes = [p.numel() * p.element_size() for p in params]
+    metrics = {"variants": variants, "param_bytes": sizes,
+               "bucket_bytes": time_model.bucket_bytes(sizes, (cap, cap))}
+
+    model = copy.deepcopy(initial)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    ids, targets = batch(args, 0, env.rank, env.device)
+    compute = timing.compute_times(model, optimizer, next_token_loss, ids, targets, env.device,
+                                   repeats=args.steps - args.warmup)
+    metrics.update({f"{phase[:-2]}_time_s": seconds for phase, seconds in compute.items()})
+    return metrics
+
+
+def parse_args(argv=None):
+    parser = distenv.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated, from {', '.join(VARIANTS)}")
+    parser.add_argument("--steps", type=int, default=STEPS, help="training steps per variant")
+    parser.add_argument("--warmup", type=int, default=WARMUP, help="first steps not timed")
+    parser.add_argument("--batch", type=int, default=BATCH, help="sequences per rank per step")
+    parser.add_argument("--bucket-mb", type=float, default=BUCKET_MB,
+                        help="bucket cap in MiB (scratch buckets and DDP's bucket_cap_mb)")
+    parser.add_argument("--comm-delay-ns-per-byte", type=float, default=0.0,
+                        help="extra wait per byte a rank sends, in ns (1 = a 1 GB/s link)")
+    distenv.add_common_args(parser)
+    args = parser.parse_args(argv)
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown or not args.variants:
+        distenv.fail(f"--variants: unknown variant {unknown[0] if unknown else '(none)'!r}; "
+                     f"choose from {', '.join(VARIANTS)}")
+    if args.batch < 1:
+        distenv.fail(f"--batch must be at least 1, got {args.batch}")
+    if not 0 <= args.warmup < args.steps:
+        distenv.fail(f"--warmup must be at least 0 and less than --steps ({args.steps}), "
+                     f"got {args.warmup}")
+    if args.bucket_mb <= 0:
+        distenv.fail(f"--bucket-mb must be positive, got {args.bucket_mb:g}")
+    if args.comm_delay_ns_per_byte < 0:
+        distenv.fail(f"--comm-delay-ns-per-byte cannot be negative, got "
+                     f"{args.comm_delay_ns_per_byte:g}")
+    return args
+
+
+def main():
+    args = parse_args()
+    with distenv.initialize(args) as env:
+        metrics = run(args, env)
+        env.print0(f"world size {env.world_size} ({env.backend}), "
+                   f"comm delay {args.comm_delay_ns_per_byte:g} ns/byte, "
+                   f"{len(metrics['bucket_bytes'])} buckets of <= {args.bucket_mb:g} MiB")
+        env.print0(f"{'variant':>11} {'step ms':>9} {'IQR ms':>8} {'max |p - ref|':>14}")
+        for name, row in metrics["variants"].items():
+            env.print0(f"{name:>11} {row['step_time_s'] * 1e3:>9.2f} "
+                       f"{row['step_time_spread_s'] * 1e3:>8.2f} {row['max_param_diff']:>14.2e}")
+        env.print0(f"compute alone: forward {metrics['forward_time_s'] * 1e3:.2f} ms, backward "
+                   f"{metrics['backward_time_s'] * 1e3:.2f} ms, optimizer "
+                   f"{metrics['optimizer_time_s'] * 1e3:.2f} ms")
+        env.write_result("mini_ddp", args, metrics)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""Scaling efficiency: a data-parallel training step measured at the world size it runs at,
+taken apart into compute and communication, and set against the step-time model.
+
+  --strategy ddp    torch DDP with its default buckets (1 MiB first, then 25 MiB)
+  --strategy fsdp   torch FSDP2: fully_shard on the embedding, each block and the head,
+                    then the root (ZeRO-3: parameters gathered for forward and again for
+                    backward, gradients reduce-scattered)
+  --scaling strong  --batch sequences in all, split over the N ranks (N must divide it)
+  --scaling weak    --batch sequences on every rank: the total grows with N
+
+Measured, all ranks at once, each time the slowest rank's:
+  step_time_s      median of --steps timed steps after --warmup (spread: the quartiles)
+  compute_time_s   forward + backward + optimizer step of a plain copy of the model on the
+                   same local batch, without any communication
+  comm_time_s      the step's collectives alone, back to back: DDP's bucket all-reduces,
+                   or FSDP's two all-gathers and one reduce-scatter per unit
+  alpha_s, beta_bytes_per_s   all-reduces of several sizes, fitted (comm_model)
+predicted_step_time_s is time_model.step_time from the measured compute phases and the
+alpha-beta times of the same collectives. DDP's buckets overlap backward on a GPU, where
+NCCL has the network to itself; on CPU, gloo adds and copies on the very cores that run
+backward, so there the model takes no overlap (`model_overlap` in the JSON says which).
+FSDP is modelled without overlap.
+
+Launch lines (from the repository root):
+  one process:           python labs/scaling.py --strategy ddp --scaling strong
+  laptop, gloo on CPU:   torchrun --standalone --nproc_per_node=2 labs/scaling.py \
+                           --strategy ddp --scaling strong --out s2.json
+  GPU box, NCCL:         torchrun --standalone --nproc_per_node=8 labs/scaling.py \
+                           --strategy fsdp --scaling weak --batch 8 --out s8.json
+  two nodes (run on each, HOST = node 0's address):
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
+             --rdzv-id=scaling labs/scaling.py --strategy ddp --scaling weak --out s16.json
+
+JSON: step_time_s, step_time_spread_s (upper minus lower quartile), step_time_quartiles_s,
+samples_per_s, compute_time_s (and forward_, backward_, optimizer_time_s), comm_time_s,
+predicted_step_time_s, predicted_comm_time_s, model_overlap, alpha_s, beta_bytes_per_s,
+collectives [{op, bytes}], batch_per_rank, global_batch, param_count.
+"""
+
+import argparse
+import copy
+import statistics
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import comm_model
+import distenv
+import memory_model
+import time_model
+import timing
+from transformer import Shape, Transformer, next_token_loss, random_batch
+
+# model and data: the mini-DDP lab's model, 3.7 MB of fp32 gradients
+SHAPE = Shape(layers=4, hidden=128, heads=4, seq=64, vocab=512)
+BATCH = 16             # strong: sequences in all; weak: sequences per rank
+LEARNING_RATE = 0.1
+# timing
+STEPS = 10             # timed steps (also repeats of the compute and communication timings)
+WARMUP = 2             # untimed first steps: allocation, DDP's bucket rebuild, connections
+SWEEP_BYTES = (16 << 10, 256 << 10, 1 << 20, 4 << 20)  # all-reduce sizes for alpha-beta
+
+# torch 2.13 renamed these two (the old names warn); torch 2.6 has only the old names.
+all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+def wrap(model, strategy, env):
+    if strategy == "ddp":
+        device_ids = [env.device.index] if env.device.type == "cuda" else None
+        return DDP(model, device_ids=device_ids)
+    for unit in model.units():
+        fully_shard(unit)
+    return fully_shard(model)
+
+
+def collectives(model, strategy, world_size):
+    """[(op, bytes)] one step issues, in order: DDP's bucket all-reduces, last layer first;
+    for FSDP, per unit, the forward all-gather, then the backward all-gather and the
+    reduce-scatter, both walking the units last to first. FSDP pads every parameter's dim 0
+    to a multiple of N, so a unit moves N x (its padded shard) bytes."""
+    if strategy == "ddp":
+        sizes = [p.numel() * p.element_size() for p in model.parameters()][::-1]
+        return [("all_reduce", b) for b in time_model.bucket_bytes(sizes)]
+    unit_bytes = [world_size * 4 * sum(memory_model.fsdp2_shard_numel(tuple(p.shape), world_size, 0)
+                                       for p in unit.parameters()) for unit in model.units()]
+    forward = [("all_gather", b) for b in unit_bytes]
+    backward = [(op, b) for b in unit_bytes[::-1] for op in ("all_gather", "reduce_scatter")]
+    return forward + backward
+
+
+def issue(op, buffers):
+    """One collective on preallocated buffers (full size, and a 1/N slice for shards)."""
+    full, shard = buffers
+    if op == "all_reduce":
+        dist.all_reduce(full)
+    elif op == "all_gather":
+        all_gather_single(full, shard)
+    else:
+        reduce_scatter_single(shard, full)
+
+
+def time_collectives(plan, env, repeats, warmup):
+    """Median seconds of the step's collectives issued back to back, nothing else running."""
+    n = env.world_size
+    buffers = [(torch.zeros(b // 4, device=env.device),
+                torch.zeros(b // 4 // n, device=env.device)) for _, b in plan]
+    times = [timing.timed(env.device, lambda: [issue(op, buf) for (op, _), buf in
+                                              zip(plan, buffers)])
+             for _ in range(warmup + repeats)]
+    return statistics.median(times[warmup:])
+
+
+def fit_link(env, repeats):
+    """alpha and beta of this machine's all-reduce at this world size (None at N = 1)."""
+    if env.world_size == 1:
+        return None, None
+    times = []
+    for size in SWEEP_BYTES:
+        buffer = torch.zeros(size // 4, device=env.device)
+        runs = [timing.timed(env.device, lambda: dist.all_reduce(buffer))
+                for _ in range(WARMUP + repeats)]
+        times.append(statistics.median(runs[WARMUP:]))
+    return comm_model.fit_alpha_beta(list(SWEEP_BYTES), times, env.world_size)
+
+
+def predicted_comm(plan, world_size, alpha, beta):
+    """Alpha-beta seconds of each collective in `plan`."""
+    if world_size == 1:
+        return [0.0] * len(plan)
+    return [comm_model.allreduce_time(b, world_size, alpha, beta) if op == "all_reduce" else
+            time_model.shard_collective_time(b, world_size, alpha, beta) for op, b in plan]
+
+
+def measure(args, env):
+    batch_per_rank = args.batch // env.world_size if args.scaling == "strong" else args.batch
+    torch.manual_seed(args.seed)
+    model = Transformer(SHAPE).to(env.device)
+    plain = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(args.seed * 1009 + env.rank)
+    ids, targets = random_batch(SHAPE, batch_per_rank, generator, env.device)
+    plan = collectives(model, args.strategy, env.world_size)
+
+    # 1. the step itself
+    wrapped = wrap(model, args.strategy, env)
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=LEARNING_RATE)
+
+    def step():
+        next_token_loss(wrapped(ids), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    steps = [timing.timed(env.device, step) for _ in range(args.warmup + args.steps)][args.warmup:]
+    median, low, high = timing.summary(steps)
+    env.progress("compute alone")
+    # 2. its parts alone: compute without communication, communication without compute
+    compute = timing.compute_times(plain, torch.optim.SGD(plain.parameters(), lr=LEARNING_RATE),
+                                   next_token_loss, ids, targets, env.device, args.steps)
+    env.progress("communication alone")
+    comm = time_collectives(plan, env, args.steps, args.warmup) if env.world_size > 1 else 0.0
+    alpha, beta = fit_link(env, args.steps)
+    env.progress("")
+
+    # 3. the model
+    overlap = args.strategy == "ddp" and env.device.type == "cuda"
+    comm_each = predicted_comm(plan, env.world_size, alpha, beta)
+    predicted = time_model.step_time(compute["forward_s"], compute["backward_s"],
+                                     [b for _, b in plan], comm_each, overlap,
+                                     compute["optimizer_s"])
+    return {
+        "strategy": args.strategy, "scaling": args.scaling,
+        "batch_per_rank": batch_per_rank, "global_batch": batch_per_rank * env.world_size,
+        "param_count": sum(p.numel() for p in plain.parameters()),
+        "step_time_s": median, "step_time_spread_s": high - low,
+        "step_time_quartiles_s": [low, high],
+        "samples_per_s": batch_per_rank * env.world_size / median,
+        "compute_time_s": sum(compute.values()),
+        **{f"{phase[:-2]}_time_s": seconds for phase, seconds in compute.items()},
+        "comm_time_s": comm,
+        "predicted_comm_time_s": sum(comm_each),
+        "predicted_step_time_s": predicted,
+        "model_overlap": overlap,
+        "alpha_s": alpha, "beta_bytes_per_s": beta,
+        "collectives": [{"op": op, "bytes": b} for op, b in plan],
+    }
+
+
+def parse_args(argv=None):
+    parser = distenv.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp")
+    parser.add_argument("--scaling", choices=["strong", "weak"], default="strong")
+    parser.add_argument("--batch", type=int, default=BATCH,
+                        help="strong: sequences per step in all; weak: sequences per rank")
+    parser.add_argument("--steps", type=int, default=STEPS, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=WARMUP, help="untimed first steps")
+    distenv.add_common_args(parser)
+    args = parser.parse_args(argv)
+    if args.batch < 1:
+        distenv.fail(f"--batch must be at least 1, got {args.batch}")
+    if args.steps < 1 or args.warmup < 0:
+        distenv.fail(f"--steps must be at least 1 and --warmup at least 0, got "
+                     f"{args.steps} and {args.warmup}")
+    return args
+
+
+def main():
+    args = parse_args()
+    with distenv.initialize(args) as env:
+        if args.scaling == "strong" and args.batch % env.world_size:
+            distenv.fail(f"strong scaling splits --batch {args.batch} over {env.world_size} "
+                         f"ranks: it must be a multiple of the world size")
+        metrics = measure(args, env)
+        env.print0(f"{args.strategy}, {args.scaling} scaling, world size {env.world_size} "
+                   f"({env.backend}), {metrics['batch_per_rank']} sequences per rank")
+        env.print0(f"step {metrics['step_time_s'] * 1e3:.2f} ms (IQR "
+                   f"{metrics['step_time_spread_s'] * 1e3:.2f}), {metrics['samples_per_s']:.1f} "
+                   f"samples/s; compute alone {metrics['compute_time_s'] * 1e3:.2f} ms, "
+                   f"communication alone {metrics['comm_time_s'] * 1e3:.2f} ms; "
+                   f"predicted {metrics['predicted_step_time_s'] * 1e3:.2f} ms")
+        env.write_result("scaling", args, metrics)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""Time cost models: speedup and efficiency, Amdahl's law, DDP's gradient buckets, and the
+step time of data-parallel training from its compute time and the alpha-beta model.
+
+Pure functions, no process group: the scaling chapter computes its predictions with them,
+the labs use them for the same numbers, and the tests check them against hand arithmetic.
+"""
+
+import math
+
+import comm_model
+
+# DDP's bucket caps: the first bucket closes at 1 MiB, so that the first all-reduce starts
+# early in the backward pass; the rest at bucket_cap_mb (25 MiB by default).
+FIRST_BUCKET_BYTES = 1 << 20
+DEFAULT_BUCKET_BYTES = 25 << 20
+
+
+def speedup(time_1, time_n):
+    """How many times faster N workers finish the same work: T(1) / T(N)."""
+    return time_1 / time_n
+
+
+def strong_efficiency(time_1, time_n, world_size):
+    """E(N) = T(1) / (N T(N)): the share of the ideal N-fold speedup reached (fixed total work)."""
+    return time_1 / (world_size * time_n)
+
+
+def weak_efficiency(time_1, time_n):
+    """E(N) = T(1) / T(N) for work that grows with N (fixed work per worker): 1 is ideal."""
+    return time_1 / time_n
+
+
+def amdahl_speedup(world_size, serial_fraction):
+    """Amdahl's law: a share s of the work that does not parallelise caps the speedup at 1/s."""
+    return 1.0 / (serial_fraction + (1.0 - serial_fraction) / world_size)
+
+
+def bucket_layout(sizes_bytes, caps_bytes=(FIRST_BUCKET_BYTES, DEFAULT_BUCKET_BYTES)):
+    """Group tensors into buckets the way DDP does; returns lists of indices into sizes_bytes.
+
+    Tensors are taken in the order given (DDP passes its parameters last-first, the order
+    in which backward produces their gradients). A bucket closes as soon as it holds at
+    least its cap; bucket k has cap caps_bytes[k], and the last cap repeats.
+    """
+    buckets, current, filled = [], [], 0
+    for index, size in enumerate(sizes_bytes):
+        current.append(index)
+        filled += size
+        if filled >= caps_bytes[min(len(buckets), len(caps_bytes) - 1)]:
+            buckets.append(current)
+            current, filled = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def bucket_bytes(sizes_bytes, caps_bytes=(FIRST_BUCKET_BYTES, DEFAULT_BUCKET_BYTES)):
+    """Bytes in each of DDP's buckets, in the order they are all-reduced."""
+    return [sum(sizes_bytes[i] for i in bucket) for bucket in bucket_layout(sizes_bytes, caps_bytes)]
+
+
+def shard_collective_time(bytes_, world_size, alpha_s, beta_bytes_per_s):
+    """Alpha-beta model of a ring all-gather or reduce-scatter of a `bytes_` tensor: half of
+    an all-reduce, (N-1) latencies + (N-1)/N * S / beta."""
+    n = world_size
+    return (n - 1) * alpha_s + (n - 1) / n * bytes_ / beta_bytes_per_s
+
+
+def delay_s(bytes_, world_size, ns_per_byte, op="all_reduce"):
+    """The labs' optional slow link: ns_per_byte for each byte a rank sends in a ring `op`.
+    It adds 1 / (ns_per_byte GB/s) to 1 / beta."""
+    return comm_model.bytes_sent_per_rank(op, bytes_, world_size) * ns_per_byte * 1e-9
+
+
+def allreduce_times(buckets_bytes, world_size, alpha_s, beta_bytes_per_s, ns_per_byte=0.0):
+    """Predicted seconds of each bucket's all-reduce (alpha-beta, plus the optional delay)."""
+    return [comm_model.allreduce_time(b, world_size, alpha_s, beta_bytes_per_s)
+            + delay_s(b, world_size, ns_per_byte) if world_size > 1 else 0.0
+            for b in buckets_bytes]
+
+
+def step_time(forward_s, backward_s, buckets_bytes, buckets_comm_s, overlap=True, optimizer_s=0.0):
+    """Seconds of one data-parallel step: compute plus the communication it cannot hide.
+
+    Without overlap the buckets are all-reduced one after another once backward is done:
+    T = forward + backward + sum(comm) + optimizer. With overlap, bucket i can start once
+    backward has produced its gradients, taken to happen at a steady rate in bytes (bucket
+    i is ready at forward + backward * (bytes in buckets 0..i) / (all bytes)), and the
+    buckets share one link, so one starts when it is ready and the one before has finished:
+        finish_i = max(ready_i, finish_{i-1}) + comm_i
+    T = max(forward + backward, finish_last) + optimizer. The last bucket is ready only
+    when backward ends, so its all-reduce is never hidden.
+    """
+    if len(buckets_bytes) != len(buckets_comm_s):
+        raise ValueError("one communication time per bucket")
+    compute_end = forward_s + backward_s
+    if not overlap:
+        return compute_end + sum(buckets_comm_s) + optimizer_s
+    total = sum(buckets_bytes)
+    finish, produced = forward_s, 0
+    for size, comm in zip(buckets_bytes, buckets_comm_s):
+        produced += size
+        ready = forward_s + backward_s * produced / total
+        finish = max(ready, finish) + comm
+    return max(compute_end, finish) + optimizer_s
+
+
+def exposed_comm_s(forward_s, backward_s, buckets_bytes, buckets_comm_s, optimizer_s=0.0):
+    """The part of communication that overlap cannot hide: step time minus compute."""
+    return step_time(forward_s, backward_s, buckets_bytes, buckets_comm_s, True,
+                     optimizer_s) - (forward_s + backward_s + optimizer_s)
+
+
+def compute_time_from_flops(params, tokens, peak_flops, utilization):
+    """Seconds of forward + backward on `tokens` tokens: about 6 FLOPs per parameter per
+    token (2 forward, 4 backward; Kaplan et al.), at `utilization` of the peak rate.
+    Returns (forward_s, backward_s)."""
+    forward_flops = 2 * params * tokens
+    rate = peak_flops * utilization
+    return forward_flops / rate, 2 * forward_flops / rate
+
+
+def batch_to_hide(comm_s, backward_s_per_sample):
+    """Smallest whole batch per GPU whose backward pass lasts at least `comm_s`, so that an
+    all-reduce started at once could finish behind it (an optimistic bound: the last
+    bucket's all-reduce still shows)."""
+    return max(1, math.ceil(comm_s / backward_s_per_sample))

@@ -1,0 +1,65 @@
+"""Mini-DDP: naive, bucketed and overlapped data parallelism, and torch DDP, each equal to
+one process trained on the whole batch, at world sizes 1, 2 and 3, with and without the
+simulated slow link."""
+
+import pytest
+
+import mini_ddp
+import time_model
+from conftest import assert_fails_with_one_line
+from launch import run_lab
+
+FAST = ["--steps", 4, "--warmup", 1]
+
+
+def check(result, world_size):
+    assert result["world_size"] == world_size
+    assert list(result["variants"]) == list(mini_ddp.VARIANTS)
+    for name, row in result["variants"].items():
+        assert row["max_param_diff"] <= 1e-5, name
+        assert row["step_time_s"] > 0 and row["step_time_spread_s"] >= 0
+    assert sum(result["bucket_bytes"]) == sum(result["param_bytes"])
+    assert result["bucket_bytes"] == time_model.bucket_bytes(result["param_bytes"],
+                                                             (1 << 20, 1 << 20))
+    assert len(result["bucket_bytes"]) > 1  # several buckets, or there is nothing to overlap
+    assert all(result[f"{phase}_time_s"] > 0 for phase in ("forward", "backward", "optimizer"))
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_every_variant_equals_the_single_process_reference(nproc):
+    check(run_lab("mini_ddp", nproc, FAST, echo=False), nproc)
+
+
+def test_with_the_slow_link_too():
+    result = run_lab("mini_ddp", 2, [*FAST, "--comm-delay-ns-per-byte", 2], echo=False)
+    check(result, 2)
+    assert result["args"]["comm_delay_ns_per_byte"] == 2
+    # 3.7 MB at 2 ns per byte sent: the naive variant waits at least that long
+    waited = sum(time_model.delay_s(b, 2, 2.0) for b in result["param_bytes"])
+    assert result["variants"]["naive"]["step_time_s"] > waited
+
+
+def test_a_world_of_one_runs_without_torchrun():
+    check(run_lab("mini_ddp", None, [*FAST, "--variants", "naive,bucketed,overlapped,torch_ddp"],
+                  echo=False), 1)
+
+
+def test_a_parameter_that_gets_no_gradient_is_reported():
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Linear(2, 2)
+    link = mini_ddp.Link(world_size=1, ns_per_byte=0)
+    overlapped = mini_ddp.Overlapped(model, link, bucket_bytes_cap=1)
+    (model.weight.sum()).backward()  # the bias gets no gradient
+    with pytest.raises(RuntimeError, match="unused parameter"):
+        overlapped.after_backward()
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--variants", "fast"], "unknown variant 'fast'"),
+    (["--batch", 0], "--batch must be at least 1"),
+    (["--steps", 2, "--warmup", 2], "--warmup must be"),
+    (["--comm-delay-ns-per-byte", -1], "cannot be negative"),
+    (["--bucket-mb", 0], "--bucket-mb must be positive"),
+])
+def test_bad_input_fails_with_one_line(script, args, words):
+    assert_fails_with_one_line(script("mini_ddp", *args), words)

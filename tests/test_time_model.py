@@ -1,0 +1,91 @@
+"""The step-time model and its helpers against cases computed by hand, and DDP's bucket
+grouping against torch's own."""
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import time_model
+
+
+def test_speedup_and_efficiencies():
+    assert time_model.speedup(10.0, 4.0) == 2.5
+    assert time_model.strong_efficiency(10.0, 4.0, 4) == 0.625   # 10 / (4 * 4)
+    assert time_model.strong_efficiency(8.0, 1.0, 8) == 1.0
+    assert time_model.weak_efficiency(10.0, 12.5) == 0.8
+
+
+def test_amdahl():
+    assert time_model.amdahl_speedup(1, 0.1) == pytest.approx(1.0)
+    assert time_model.amdahl_speedup(4, 0.0) == pytest.approx(4.0)
+    assert time_model.amdahl_speedup(10, 0.1) == pytest.approx(1 / (0.1 + 0.09))
+    assert time_model.amdahl_speedup(10**9, 0.05) == pytest.approx(20, rel=1e-6)
+
+
+def test_bucket_layout_by_hand():
+    # caps 10 then 20: [4, 7] closes at 11 >= 10; [9, 5, 8] at 22 >= 20; [3] is left over
+    assert time_model.bucket_layout([4, 7, 9, 5, 8, 3], (10, 20)) == [[0, 1], [2, 3, 4], [5]]
+    assert time_model.bucket_bytes([4, 7, 9, 5, 8, 3], (10, 20)) == [11, 22, 3]
+    # one tensor larger than the cap gets a bucket of its own
+    assert time_model.bucket_layout([50, 1, 1], (10,)) == [[0], [1, 2]]
+
+
+@pytest.mark.skipif(not hasattr(dist, "_compute_bucket_assignment_by_size"),
+                    reason="this torch does not expose DDP's bucket assignment")
+def test_bucket_layout_equals_ddps():
+    rng = random.Random(0)
+    for _ in range(20):
+        numels = [rng.choice([1, 10, 1000, 50_000, 300_000]) for _ in range(rng.randint(1, 30))]
+        caps = (1 << 20, rng.choice([1 << 20, 2 << 20, 5 << 20]))
+        tensors = [torch.empty(n) for n in numels]
+        theirs, _ = dist._compute_bucket_assignment_by_size(tensors, list(caps))
+        assert time_model.bucket_layout([4 * n for n in numels], caps) == theirs
+
+
+def test_shard_collective_is_half_an_allreduce():
+    alpha, beta = 1e-5, 1e9
+    assert time_model.shard_collective_time(8e6, 4, alpha, beta) == pytest.approx(3e-5 + 6e-3)
+    assert time_model.shard_collective_time(1e6, 1, alpha, beta) == 0
+
+
+def test_delay_counts_the_bytes_a_rank_sends():
+    # all-reduce of 1 MB at N = 4: a rank sends 2 * 3/4 MB = 1.5 MB; at 2 ns/byte, 3 ms
+    assert time_model.delay_s(1e6, 4, 2.0) == pytest.approx(3e-3)
+    assert time_model.delay_s(1e6, 1, 2.0) == 0
+    times = time_model.allreduce_times([1e6, 2e6], 2, alpha_s=1e-4, beta_bytes_per_s=1e9,
+                                       ns_per_byte=1.0)
+    # 2(N-1) alpha + 2(N-1)/N S / beta + S * 1 ns: 2e-4 + 1e-3 + 1e-3
+    assert times == pytest.approx([2.2e-3, 4.2e-3])
+    assert time_model.allreduce_times([1e6], 1, 1e-4, 1e9) == [0.0]
+
+
+def test_step_time_without_overlap_adds_everything():
+    assert time_model.step_time(1.0, 2.0, [5, 5], [0.5, 0.25], overlap=False,
+                                optimizer_s=0.1) == pytest.approx(3.85)
+
+
+def test_step_time_with_overlap_by_hand():
+    # forward 1, backward 2; buckets of 1, 1, 2 bytes are ready at 1.5, 2.0 and 3.0.
+    # comm 0.8 each: finish 2.3, 3.1, then max(3.0, 3.1) + 0.8 = 3.9
+    assert time_model.step_time(1.0, 2.0, [1, 1, 2], [0.8, 0.8, 0.8]) == pytest.approx(3.9)
+    assert time_model.exposed_comm_s(1.0, 2.0, [1, 1, 2], [0.8, 0.8, 0.8]) == pytest.approx(0.9)
+    # cheap communication: only the last bucket shows
+    assert time_model.step_time(1.0, 2.0, [1, 1, 2], [0.1, 0.1, 0.1]) == pytest.approx(3.1)
+    # one bucket: nothing can overlap
+    assert time_model.step_time(1.0, 2.0, [4], [0.7]) == pytest.approx(3.7)
+    # overlap never loses to no overlap, and never beats compute alone
+    args = (1.0, 2.0, [3, 1, 2], [0.9, 0.2, 1.5])
+    assert 3.0 <= time_model.step_time(*args) <= time_model.step_time(*args, overlap=False)
+    with pytest.raises(ValueError):
+        time_model.step_time(1.0, 2.0, [1, 2], [0.5])
+
+
+def test_compute_time_from_flops_and_batch_to_hide():
+    # 1e9 parameters, 1000 tokens: 2e12 FLOPs forward, 4e12 backward; at 1e15 x 0.5
+    forward, backward = time_model.compute_time_from_flops(1e9, 1000, 1e15, 0.5)
+    assert (forward, backward) == (pytest.approx(4e-3), pytest.approx(8e-3))
+    assert time_model.batch_to_hide(0.05, 0.01) == 5
+    assert time_model.batch_to_hide(0.051, 0.01) == 6
+    assert time_model.batch_to_hide(0.0, 0.01) == 1
