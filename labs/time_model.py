@@ -66,6 +66,28 @@ def shard_collective_time(bytes_, world_size, alpha_s, beta_bytes_per_s):
     return (n - 1) * alpha_s + (n - 1) / n * bytes_ / beta_bytes_per_s
 
 
+def hierarchical_allreduce_time(bytes_, world_size, gpus_per_node, intra, inter):
+    """Alpha-beta model of a two-level all-reduce over nodes of `gpus_per_node` GPUs.
+
+    `intra` and `inter` are (alpha_s, beta_bytes_per_s) of the links inside a node and
+    between nodes. Inside one node it is a ring. Across nodes: a ring reduce-scatter inside
+    each node, then each GPU all-reduces its 1/G share with the GPUs of the same local rank
+    on the other nodes (G all-reduces side by side, one network card each), then a ring
+    all-gather inside the node. The data crosses the slow network once, divided by G.
+    Across nodes the faster of ring and tree is taken, as NCCL chooses between them.
+    """
+    g = gpus_per_node
+    if world_size <= g:
+        return comm_model.allreduce_time(bytes_, world_size, *intra) if world_size > 1 else 0.0
+    if world_size % g:
+        raise ValueError(f"{world_size} GPUs do not fill nodes of {g}")
+    inside = 2 * shard_collective_time(bytes_, g, *intra)
+    nodes, share = world_size // g, bytes_ / g
+    across = min(comm_model.allreduce_time(share, nodes, *inter),
+                 comm_model.tree_allreduce_time(share, nodes, *inter))
+    return inside + across
+
+
 def delay_s(bytes_, world_size, ns_per_byte, op="all_reduce"):
     """The labs' optional slow link: ns_per_byte for each byte a rank sends in a ring `op`.
     It adds 1 / (ns_per_byte GB/s) to 1 / beta."""

@@ -50,6 +50,23 @@ def test_shard_collective_is_half_an_allreduce():
     assert time_model.shard_collective_time(1e6, 1, alpha, beta) == 0
 
 
+def test_hierarchical_allreduce_by_hand():
+    intra, inter = (1e-6, 100e9), (1e-5, 10e9)
+    model = time_model.hierarchical_allreduce_time
+    # inside one node: the plain ring, 2 x 3 alpha + 2 x 3/4 x S / beta
+    assert model(8e9, 4, 8, intra, inter) == pytest.approx(6e-6 + 0.12)
+    assert model(8e9, 1, 8, intra, inter) == 0
+    # 4 nodes of 2: reduce-scatter + all-gather inside (2 x (1e-6 + 4e9 / 100e9)),
+    # then an all-reduce of 4e9 bytes over 4 nodes (6e-5 + 1.5 x 4e9 / 10e9)
+    assert model(8e9, 8, 2, intra, inter) == pytest.approx(2 * (1e-6 + 0.04) + 6e-5 + 0.6)
+    # 128 nodes of 8, 8 kB: latency-bound, so the tree's 2 log2(128) = 14 alphas win over
+    # the ring's 254
+    inside = 2 * (7e-6 + 7 / 8 * 8e3 / 100e9)
+    assert model(8e3, 1024, 8, intra, inter) == pytest.approx(inside + 14e-5 + 2 * 1e3 / 10e9)
+    with pytest.raises(ValueError):
+        model(1e6, 12, 8, intra, inter)
+
+
 def test_delay_counts_the_bytes_a_rank_sends():
     # all-reduce of 1 MB at N = 4: a rank sends 2 * 3/4 MB = 1.5 MB; at 2 ns/byte, 3 ms
     assert time_model.delay_s(1e6, 4, 2.0) == pytest.approx(3e-3)
