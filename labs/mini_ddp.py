@@ -246,7 +246,7 @@ def run(args, env):
         variants[name] = {"step_time_s": median, "step_time_spread_s": high - low,
                           "max_param_diff": max_param_diff(
                               implementation.model.parameters(), reference, env.device)}
-    params = [p for p in initial.parameters()][::-1]
+    params = list(initial.parameters())[::-1]
     sizes = [p.numel() * p.element_size() for p in params]
     metrics = {"variants": variants, "param_bytes": sizes,
                "bucket_bytes": time_model.bucket_bytes(sizes, (cap, cap))}

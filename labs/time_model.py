@@ -5,8 +5,6 @@ Pure functions, no process group: the scaling chapter computes its predictions w
 the labs use them for the same numbers, and the tests check them against hand arithmetic.
 """
 
-import math
-
 import comm_model
 
 # DDP's bucket caps: the first bucket closes at 1 MiB, so that the first all-reduce starts
@@ -94,13 +92,6 @@ def delay_s(bytes_, world_size, ns_per_byte, op="all_reduce"):
     return comm_model.bytes_sent_per_rank(op, bytes_, world_size) * ns_per_byte * 1e-9
 
 
-def allreduce_times(buckets_bytes, world_size, alpha_s, beta_bytes_per_s, ns_per_byte=0.0):
-    """Predicted seconds of each bucket's all-reduce (alpha-beta, plus the optional delay)."""
-    return [comm_model.allreduce_time(b, world_size, alpha_s, beta_bytes_per_s)
-            + delay_s(b, world_size, ns_per_byte) if world_size > 1 else 0.0
-            for b in buckets_bytes]
-
-
 def step_time(forward_s, backward_s, buckets_bytes, buckets_comm_s, overlap=True, optimizer_s=0.0):
     """Seconds of one data-parallel step: compute plus the communication it cannot hide.
 
@@ -141,9 +132,3 @@ def compute_time_from_flops(params, tokens, peak_flops, utilization):
     rate = peak_flops * utilization
     return forward_flops / rate, 2 * forward_flops / rate
 
-
-def batch_to_hide(comm_s, backward_s_per_sample):
-    """Smallest whole batch per GPU whose backward pass lasts at least `comm_s`, so that an
-    all-reduce started at once could finish behind it (an optimistic bound: the last
-    bucket's all-reduce still shows)."""
-    return max(1, math.ceil(comm_s / backward_s_per_sample))
