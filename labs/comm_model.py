@@ -57,16 +57,17 @@ def bytes_sent_per_rank(op, bytes_, world_size):
     """Bytes each rank sends in the bandwidth-optimal (ring or pipelined chain) algorithm.
 
     `bytes_` is the size of the full tensor: the input of all-reduce, reduce-scatter, reduce,
-    broadcast and all-to-all, the output of all-gather. Divisible sizes assumed.
+    broadcast and all-to-all, the output of all-gather. Divisible sizes assumed. A
+    `fractions.Fraction` size gives an exact answer (the FSDP lab counts bytes with it).
     """
     n = world_size
     per_rank = {
-        "broadcast": bytes_ * (n - 1) / n if n > 1 else 0,   # chain: all but the last forward S
-        "reduce": bytes_ * (n - 1) / n if n > 1 else 0,
-        "all_reduce": 2 * (n - 1) / n * bytes_,
-        "reduce_scatter": (n - 1) / n * bytes_,
-        "all_gather": (n - 1) / n * bytes_,
-        "all_to_all": (n - 1) / n * bytes_,                    # keeps 1/N, sends the rest
+        "broadcast": bytes_ * (n - 1) / n,    # chain: all but the last forward S
+        "reduce": bytes_ * (n - 1) / n,
+        "all_reduce": bytes_ * 2 * (n - 1) / n,
+        "reduce_scatter": bytes_ * (n - 1) / n,
+        "all_gather": bytes_ * (n - 1) / n,
+        "all_to_all": bytes_ * (n - 1) / n,   # keeps 1/N, sends the rest
     }
     return per_rank[op]
 

@@ -29,6 +29,13 @@ import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 120  # a missing peer fails after this long instead of hanging
 
+# The flat-buffer collectives of sharded training: all_gather_single(output, input) fills
+# a tensor N times the input; reduce_scatter_single(output, input) sums and keeps 1/N.
+# torch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor (the old names now
+# warn); torch 2.6 has only the old names.
+all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
 
 class LabInputError(SystemExit):
     """Bad input: the process exits non-zero with one clear line on stderr."""

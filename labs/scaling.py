@@ -62,11 +62,6 @@ STEPS = 10             # timed steps (also repeats of the compute and communicat
 WARMUP = 2             # untimed first steps: allocation, DDP's bucket rebuild, connections
 SWEEP_BYTES = (16 << 10, 256 << 10, 1 << 20, 4 << 20)  # all-reduce sizes for alpha-beta
 
-# torch 2.13 renamed these two (the old names warn); torch 2.6 has only the old names.
-all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-
-
 def wrap(model, strategy, env):
     if strategy == "ddp":
         device_ids = [env.device.index] if env.device.type == "cuda" else None
@@ -97,9 +92,9 @@ def issue(op, buffers):
     if op == "all_reduce":
         dist.all_reduce(full)
     elif op == "all_gather":
-        all_gather_single(full, shard)
+        distenv.all_gather_single(full, shard)
     else:
-        reduce_scatter_single(shard, full)
+        distenv.reduce_scatter_single(shard, full)
 
 
 def time_collectives(plan, env, repeats, warmup):

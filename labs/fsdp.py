@@ -1,0 +1,408 @@
+"""FSDP / ZeRO-3 built from scratch, trained beside torch's DDP and FSDP2 on the same data.
+
+The scratch ZeRO-3 keeps each unit (the embedding, every block, the head) as one flat fp32
+buffer, padded to a multiple of N and split into N equal shards; rank r owns shard r and
+the optimizer state for it. For each unit, on every rank:
+  forward   all-gather the shards into the flat buffer, run the unit, free the buffer
+  backward  all-gather again (the pre-backward hook on the unit's output), let autograd
+            accumulate the unit's gradients into a flat buffer, reduce-scatter it so each
+            rank keeps the summed gradient of its own shard, free both buffers
+  step      SGD with momentum on the shard alone
+The same model is trained with torch DDP (gradient_as_bucket_view, so the gradients live
+in DDP's buckets and nothing is held twice) and with FSDP2 (fully_shard on every unit,
+then the root).
+
+Measured on one step and reported beside the prediction:
+  max_param_diff        scratch and fully_shard against DDP after --steps, all ranks
+  comm_bytes_per_rank   bytes each rank sends, summed over the collectives each
+                        implementation issued in one step (ring algorithms' volumes,
+                        comm_model); predicted: 2(N-1)/N x 4 psi for DDP, 3(N-1)/N x 4 psi'
+                        for ZeRO-3, psi' being the padded parameter count
+  memory_timeline       rank 0's live parameter and gradient bytes at the start and end
+                        of every unit's forward and backward (the gather/free sawtooth)
+                        and the peak, with the timeline the schedule predicts
+  state_bytes_per_rank  parameters, gradients and momentum one rank holds after the step
+
+Launch lines (from the repository root):
+  one process:           python labs/fsdp.py
+  laptop, gloo on CPU:   torchrun --standalone --nproc_per_node=3 labs/fsdp.py --out f3.json
+  GPU box, NCCL:         torchrun --standalone --nproc_per_node=8 labs/fsdp.py --out f8.json
+  two nodes (run on each, HOST = node 0's address):
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
+             --rdzv-id=fsdp labs/fsdp.py --out f16.json
+
+JSON: max_param_diff {scratch_vs_ddp, fully_shard_vs_ddp}; comm_bytes_per_rank and
+predicted_comm_bytes_per_rank {ddp, zero3}; memory_timeline {ddp, zero3: {events [{phase,
+unit, point, param_bytes, grad_bytes}], peak_bytes, predicted_events, predicted_peak_bytes}};
+state_bytes_per_rank and predicted_state_bytes_per_rank {ddp, zero3: {params, grads,
+optimizer, total}}; param_count, padded_param_count, unit_param_counts, unit_padded_counts.
+"""
+
+import argparse
+import copy
+import math
+from fractions import Fraction
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import comm_model
+import distenv
+import memory_model
+from transformer import Shape, Transformer, next_token_loss, random_batch
+
+# hidden 50 and vocab + seq = 113 make every unit's size indivisible by 3 or 4 somewhere,
+# so the padding is exercised at the world sizes the tests run
+SHAPE = Shape(layers=3, hidden=50, heads=5, seq=16, vocab=97)
+BATCH = 4              # sequences per rank per step
+STEPS = 4
+LEARNING_RATE = 0.1
+MOMENTUM = 0.9         # one fp32 state per parameter, sharded like the parameters
+BYTES = 4              # fp32 everywhere: parameters, gradients, momentum, communication
+
+
+def live_bytes(tensors):
+    """Bytes of the distinct storages behind `tensors`: views of one buffer count once,
+    and a freed buffer (storage resized to 0) counts nothing."""
+    storages = {}
+    for tensor in tensors:
+        if tensor is not None and tensor.untyped_storage().nbytes():
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+class CommCounter:
+    """Bytes this rank sends, added up exactly (as a Fraction) per collective issued."""
+
+    def __init__(self, world_size):
+        self.world_size, self.sent = world_size, Fraction(0)
+
+    def add(self, op, tensor):
+        size = Fraction(tensor.numel() * tensor.element_size())
+        self.sent += comm_model.bytes_sent_per_rank(op, size, self.world_size)
+
+
+class FlatUnit:
+    """One unit's parameters as views of one flat buffer that exists only while gathered."""
+
+    def __init__(self, module, env):
+        self.params = list(module.parameters())
+        self.numel = sum(p.numel() for p in self.params)
+        self.padded = math.ceil(self.numel / env.world_size) * env.world_size
+        shard_numel = self.padded // env.world_size
+        self.full = torch.zeros(self.padded, device=env.device)
+        torch.cat([p.detach().flatten() for p in self.params], out=self.full[:self.numel])
+        start = env.rank * shard_numel
+        self.shard = torch.nn.Parameter(self.full[start:start + shard_numel].clone())
+        self.shard.grad = torch.zeros_like(self.shard)   # the reduce-scatter writes here
+        for p, view in zip(self.params, self._views(self.full)):
+            p.data = view    # the module now reads its weights from the flat buffer
+        self.flat_grad = None
+        self.grads_pending = 0
+        self.free()
+
+    def _views(self, flat):
+        offset = 0
+        for p in self.params:
+            yield flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+    def gather(self, counter=None):
+        self.full.untyped_storage().resize_(self.padded * BYTES)
+        distenv.all_gather_single(self.full, self.shard.detach())
+        if counter is not None:
+            counter.add("all_gather", self.full)
+
+    def free(self):
+        # The storage keeps its identity, so the views (and autograd's saved copies of
+        # them) see the data again after the next gather.
+        self.full.untyped_storage().resize_(0)
+
+    def prepare_grads(self):
+        """Point every gradient at a zeroed flat buffer: autograd accumulates into it."""
+        self.flat_grad = torch.zeros(self.padded, device=self.full.device)
+        for p, view in zip(self.params, self._views(self.flat_grad)):
+            p.grad = view
+        self.grads_pending = len(self.params)
+
+    def reduce_grads(self, counter, world_size):
+        """Sum the flat gradients over ranks, keep this rank's shard, average, free."""
+        distenv.reduce_scatter_single(self.shard.grad, self.flat_grad)
+        counter.add("reduce_scatter", self.flat_grad)
+        self.shard.grad.div_(world_size)   # SUM then divide: ReduceOp.AVG is not on old gloo
+        for p in self.params:
+            p.grad = None
+        self.flat_grad = None
+        self.free()
+
+
+class ScratchZero3:
+    """ZeRO-3 over `model.units()`: gathers and frees through module and autograd hooks."""
+
+    def __init__(self, model, env):
+        self.model, self.env = model, env
+        self.counter = CommCounter(env.world_size)
+        self.units = [FlatUnit(unit, env) for unit in model.units()]
+        for module, unit in zip(model.units(), self.units):
+            module.register_forward_pre_hook(lambda *_, unit=unit: unit.gather(self.counter))
+            module.register_forward_hook(self._after_forward(unit))
+            for p in unit.params:
+                p.register_post_accumulate_grad_hook(lambda _, unit=unit: self._grad_ready(unit))
+        self.optimizer = torch.optim.SGD([unit.shard for unit in self.units],
+                                         lr=LEARNING_RATE, momentum=MOMENTUM)
+
+    def _after_forward(self, unit):
+        def hook(module, inputs, output):
+            unit.free()
+            if output.requires_grad:   # backward reaches this unit: gather it again first
+                output.register_hook(lambda grad: self._before_backward(unit))
+        return hook
+
+    def _before_backward(self, unit):
+        unit.gather(self.counter)
+        unit.prepare_grads()
+
+    def _grad_ready(self, unit):
+        unit.grads_pending -= 1
+        if unit.grads_pending == 0:    # the unit's backward is done on this rank
+            unit.reduce_grads(self.counter, self.env.world_size)
+
+    def train_step(self, ids, targets):
+        next_token_loss(self.model(ids), targets).backward()
+        self.optimizer.step()
+
+    def tensors(self):
+        """(parameters, gradients) this rank holds now: shards, and whatever is gathered."""
+        params = [u.shard for u in self.units] + [p for u in self.units for p in u.params]
+        grads = [u.shard.grad for u in self.units] + [p.grad for u in self.units
+                                                       for p in u.params]
+        return params, grads
+
+    def full_parameters(self):
+        """Every parameter gathered (a collective: all ranks call it), in model order."""
+        result = []
+        for unit in self.units:
+            unit.gather()
+            result += [p.detach().clone() for p in unit.params]
+            unit.free()
+        return result
+
+
+class TorchDDP:
+    """torch DDP whose gradients are views of its buckets, counting the bytes it sends."""
+
+    def __init__(self, model, env):
+        device_ids = [env.device.index] if env.device.type == "cuda" else None
+        self.model = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
+        self.counter = CommCounter(env.world_size)
+        self.model.register_comm_hook(None, self._counting_allreduce)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=LEARNING_RATE,
+                                         momentum=MOMENTUM)
+
+    def _counting_allreduce(self, state, bucket):
+        self.counter.add("all_reduce", bucket.buffer())
+        return default_hooks.allreduce_hook(state, bucket)
+
+    def train_step(self, ids, targets):
+        next_token_loss(self.model(ids), targets).backward()
+        self.optimizer.step()
+        # Keep the gradients: they are views of DDP's buckets, which exist either way;
+        # the next backward overwrites them.
+        self.optimizer.zero_grad(set_to_none=False)
+
+    def tensors(self):
+        params = list(self.model.parameters())
+        return params, [p.grad for p in params]
+
+
+class TorchFSDP2:
+    def __init__(self, model):
+        for unit in model.units():
+            fully_shard(unit)
+        self.model = fully_shard(model)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=LEARNING_RATE,
+                                         momentum=MOMENTUM)
+
+    def train_step(self, ids, targets):
+        next_token_loss(self.model(ids), targets).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def full_parameters(self):
+        return [p.full_tensor().detach() for p in self.model.parameters()]
+
+
+class Timeline:
+    """Live parameter and gradient bytes at the start and end of each unit's forward and
+    backward. Its hooks go on after the implementation's own, so "start" sees the unit
+    gathered and "end" sees it freed."""
+
+    def __init__(self, units, tensors):
+        self.tensors, self.events, self.active = tensors, [], False
+        for index, module in enumerate(units):
+            params = list(module.parameters())
+            module.register_forward_pre_hook(
+                lambda *_, i=index: self._sample("forward", i, "start"))
+            module.register_forward_hook(self._after_forward(index, len(params)))
+            for p in params:
+                p.register_post_accumulate_grad_hook(lambda _, i=index: self._grad_ready(i))
+        self.pending = {}
+
+    def _after_forward(self, index, param_count):
+        def hook(module, inputs, output):
+            self._sample("forward", index, "end")
+            if output.requires_grad:
+                output.register_hook(lambda grad: self._before_backward(index, param_count))
+        return hook
+
+    def _before_backward(self, index, param_count):
+        self.pending[index] = param_count
+        self._sample("backward", index, "start")
+
+    def _grad_ready(self, index):
+        self.pending[index] -= 1
+        if self.pending[index] == 0:
+            self._sample("backward", index, "end")
+
+    def _sample(self, phase, unit, point):
+        if self.active:
+            params, grads = self.tensors()
+            self.events.append({"phase": phase, "unit": unit, "point": point,
+                                "param_bytes": live_bytes(params),
+                                "grad_bytes": live_bytes(grads)})
+
+
+def predicted_events(strategy, unit_numels, unit_padded, world_size):
+    """What each rank should hold at each sample: DDP holds every parameter and gradient
+    all the time; ZeRO-3 holds its shards plus the one unit it is working on, gathered
+    (forward) or gathered with its flat gradient (backward)."""
+    units = range(len(unit_numels))
+    order = [("forward", i, point) for i in units for point in ("start", "end")]
+    order += [("backward", i, point) for i in reversed(units) for point in ("start", "end")]
+    events = []
+    for phase, i, point in order:
+        if strategy == "ddp":
+            params = grads = BYTES * sum(unit_numels)
+        else:
+            params = grads = BYTES * sum(unit_padded) // world_size
+            if point == "start":
+                params += BYTES * unit_padded[i]
+                grads += BYTES * unit_padded[i] if phase == "backward" else 0
+        events.append({"phase": phase, "unit": i, "point": point,
+                       "param_bytes": params, "grad_bytes": grads})
+    return events
+
+
+def state_bytes(implementation):
+    params, grads = implementation.tensors()
+    optimizer = [t for state in implementation.optimizer.state.values()
+                 for t in state.values() if torch.is_tensor(t)]
+    result = {"params": live_bytes(params), "grads": live_bytes(grads),
+              "optimizer": live_bytes(optimizer)}
+    return {**result, "total": sum(result.values())}
+
+
+def max_diff(params, reference, device):
+    """Largest |difference| over all parameters and all ranks."""
+    diff = max((p - r.detach()).abs().max().item() for p, r in zip(params, reference))
+    worst = torch.tensor([diff], device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return worst.item()
+
+
+def batch(args, step, rank, device):
+    """Rank `rank`'s sequences at `step`: the same for every implementation."""
+    generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + rank)
+    return random_batch(SHAPE, BATCH, generator, device)
+
+
+def run(args, env):
+    initial = Transformer(SHAPE).to(env.device)
+    ddp = TorchDDP(copy.deepcopy(initial), env)
+    zero3 = ScratchZero3(copy.deepcopy(initial), env)
+    fsdp2 = TorchFSDP2(copy.deepcopy(initial))
+    timelines = {"ddp": Timeline(ddp.model.module.units(), ddp.tensors),
+                 "zero3": Timeline(zero3.model.units(), zero3.tensors)}
+    for step in range(args.steps):
+        last = step == args.steps - 1
+        for name, implementation in (("ddp", ddp), ("zero3", zero3)):
+            implementation.counter.sent = Fraction(0)   # count the last step only
+            timelines[name].active = last
+        ids, targets = batch(args, step, env.rank, env.device)
+        for implementation in (ddp, zero3, fsdp2):
+            implementation.train_step(ids, targets)
+        env.progress(f"step {step + 1}/{args.steps}")
+    env.progress("")
+
+    reference = list(ddp.model.module.parameters())
+    unit_numels = [unit.numel for unit in zero3.units]
+    unit_padded = [unit.padded for unit in zero3.units]
+    psi, padded, n = sum(unit_numels), sum(unit_padded), env.world_size
+    predicted_comm = {
+        "ddp": Fraction(2 * (n - 1), n) * BYTES * psi,   # one all-reduce of every gradient
+        "zero3": Fraction(3 * (n - 1), n) * BYTES * padded,  # gather, gather, reduce-scatter
+    }
+    timeline = {}
+    for name in ("ddp", "zero3"):
+        events = timelines[name].events
+        predicted = predicted_events(name, unit_numels, unit_padded, n)
+        timeline[name] = {
+            "events": events,
+            "peak_bytes": max((e["param_bytes"] + e["grad_bytes"] for e in events), default=None),
+            "predicted_events": predicted,
+            "predicted_peak_bytes": max(e["param_bytes"] + e["grad_bytes"] for e in predicted)}
+    return {
+        "max_param_diff": {
+            "scratch_vs_ddp": max_diff(zero3.full_parameters(), reference, env.device),
+            "fully_shard_vs_ddp": max_diff(fsdp2.full_parameters(), reference, env.device)},
+        "comm_bytes_per_rank": {"ddp": round(ddp.counter.sent),
+                                "zero3": round(zero3.counter.sent)},
+        "predicted_comm_bytes_per_rank": {k: round(v) for k, v in predicted_comm.items()},
+        "memory_timeline": timeline,   # rank 0's is the one written
+        "state_bytes_per_rank": {"ddp": state_bytes(ddp), "zero3": state_bytes(zero3)},
+        "predicted_state_bytes_per_rank": {
+            "ddp": memory_model.state_bytes_per_gpu(psi, n, "ddp", "momentum", "fp32"),
+            "zero3": memory_model.state_bytes_per_gpu(padded, n, "zero3", "momentum", "fp32")},
+        "param_count": psi,
+        "padded_param_count": padded,
+        "unit_param_counts": unit_numels,
+        "unit_padded_counts": unit_padded,
+    }
+
+
+def parse_args(argv=None):
+    parser = distenv.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=STEPS,
+                        help="training steps of each implementation (the last one is measured)")
+    distenv.add_common_args(parser)
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        distenv.fail(f"--steps must be at least 1, got {args.steps}")
+    return args
+
+
+def main():
+    args = parse_args()
+    with distenv.initialize(args) as env:
+        metrics = run(args, env)
+        diff, sent = metrics["max_param_diff"], metrics["comm_bytes_per_rank"]
+        predicted = metrics["predicted_comm_bytes_per_rank"]
+        env.print0(f"world size {env.world_size} ({env.backend}), {metrics['param_count']:,} "
+                   f"parameters ({metrics['padded_param_count']:,} padded), {args.steps} steps")
+        env.print0(f"max |p - DDP|: scratch ZeRO-3 {diff['scratch_vs_ddp']:.2e}, "
+                   f"fully_shard {diff['fully_shard_vs_ddp']:.2e}")
+        for name in ("ddp", "zero3"):
+            timeline, state = metrics["memory_timeline"][name], metrics["state_bytes_per_rank"]
+            env.print0(f"{name:>5}: sent {sent[name]:,} B/step (predicted {predicted[name]:,}), "
+                       f"peak params+grads {timeline['peak_bytes']:,} B (predicted "
+                       f"{timeline['predicted_peak_bytes']:,}), state {state[name]['total']:,} B")
+        env.write_result("fsdp", args, metrics)
+
+
+if __name__ == "__main__":
+    main()
