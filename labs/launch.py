@@ -13,6 +13,7 @@ own error output, so the notebook cell, the book build and the test fail visibly
 
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -123,6 +124,19 @@ def _kill_group(proc):
 
 
 def _failure_message(lab, nproc, returncode, lines):
+    """The lab's own error lines first (torchrun's per-rank report can push them out of
+    the tail at large N), then the tail of its output."""
+    errors = dict.fromkeys(line.rstrip() for line in lines if _is_error_line(lab, line))
     tail = "".join(lines[-ERROR_TAIL_LINES:]).rstrip()
+    heading = "".join(f"  {line}\n" for line in errors)
     return (f"lab {lab} failed with exit status {returncode} at nproc={nproc}.\n"
-            f"Its output (last {ERROR_TAIL_LINES} lines):\n{tail}")
+            + (f"Its errors:\n{heading}" if errors else "")
+            + f"Its output (last {ERROR_TAIL_LINES} lines):\n{tail}")
+
+
+def _is_error_line(lab, line):
+    """`<lab>: error: ...` (bad input) or `SomeError: ...` (an exception), not torchrun's."""
+    if line.startswith(f"{lab}: error:"):
+        return True
+    match = re.match(r"[\w.]*(Error|Exception): ", line)
+    return bool(match) and "ChildFailedError" not in line

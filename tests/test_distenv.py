@@ -7,6 +7,7 @@ import pytest
 
 import distenv
 from conftest import assert_fails_with_one_line
+import launch
 from launch import LabError, reader_command, run_lab
 
 
@@ -83,3 +84,15 @@ def test_a_missing_peer_times_out_with_one_line(script):
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     done = script("grad_averaging", "--timeout", 3, env_extra=env, timeout=60)
     assert_fails_with_one_line(done, "did not form within --timeout 3 s")
+
+
+def test_the_labs_error_survives_a_long_torchrun_report():
+    """At large N torchrun's per-rank failure report fills the tail; the lab's own error
+    still heads the message."""
+    lines = ["fsdp: error: --steps must be at least 1, got 0\n"] * 8
+    lines += ["  rank      : 3 (local_rank: 3)\n"] * 200
+    lines += ["torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"]
+    message = launch._failure_message("fsdp", 8, 1, lines)
+    heading = message.split("Its output")[0]
+    assert heading.count("fsdp: error: --steps must be at least 1") == 1
+    assert "ChildFailedError" not in heading

@@ -1,0 +1,172 @@
+"""Sharded checkpoints: save an FSDP2 run with torch.distributed.checkpoint at one world
+size, load it at another, and carry on as if nothing happened.
+
+  save    trains --steps steps with fully_shard (every unit, then the root) and SGD with
+          momentum, then writes a sharded checkpoint of model and optimizer to --dir:
+          each rank writes its own shards, in parallel, and the metadata records how the
+          full tensors were cut. Rank 0 also exports a full state dict (plain tensors, on
+          CPU) to --dir/full_model.pt for use outside distributed training.
+  resume  at any world size: loads the checkpoint into its own shards (DCP reshards on
+          load), trains --steps more steps, and compares the result with a run that
+          trained all the steps at this world size without stopping. It also loads the
+          exported full state dict into a plain, undistributed model.
+
+The data do not depend on the world size: every step uses the same GLOBAL_BATCH
+sequences, split evenly over the ranks, so runs at N = 4 and N = 2 see the same data.
+
+Launch lines (from the repository root):
+  laptop, gloo on CPU:  torchrun --standalone --nproc_per_node=4 labs/checkpoint.py \\
+                          save --dir ckpt --steps 3 --out save.json
+                        torchrun --standalone --nproc_per_node=2 labs/checkpoint.py \\
+                          resume --dir ckpt --steps 3 --out resume.json
+  GPU box, NCCL:        the same with --nproc_per_node=8, then 4
+  two nodes: run each phase on both nodes with --nnodes=2 --rdzv-backend=c10d
+             --rdzv-endpoint=HOST:29500 --rdzv-id=ckpt; --dir must be a shared file system
+
+JSON (save): step, checkpoint_bytes (all files of the sharded checkpoint),
+full_export_bytes, param_count.
+JSON (resume): saved_world_size, resumed_from_step, total_steps,
+max_param_diff_vs_uninterrupted, export_max_diff (the exported full state dict against
+the checkpoint as loaded, before training on), param_count.
+"""
+
+import argparse
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_state_dict, set_state_dict)
+from torch.distributed.fsdp import fully_shard
+
+import distenv
+from transformer import Shape, Transformer, next_token_loss, random_batch
+
+SHAPE = Shape(layers=2, hidden=50, heads=5, seq=16, vocab=97)  # padded at N = 3 and 4
+GLOBAL_BATCH = 12      # sequences per step in all: divides by N = 1, 2, 3, 4
+STEPS = 3
+LEARNING_RATE = 0.1
+MOMENTUM = 0.9         # optimizer state that must survive the checkpoint
+FULL_EXPORT = "full_model.pt"
+
+
+def sharded_model(env, seed):
+    torch.manual_seed(seed)   # the same initial weights at every world size
+    model = Transformer(SHAPE).to(env.device)
+    for unit in model.units():
+        fully_shard(unit)
+    fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE, momentum=MOMENTUM)
+    return model, optimizer
+
+
+def train(model, optimizer, steps, env, seed):
+    """Train on `steps` (a range of step numbers): each rank takes its slice of the batch."""
+    per_rank = GLOBAL_BATCH // env.world_size
+    for step in steps:
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        ids, targets = random_batch(SHAPE, GLOBAL_BATCH, generator, env.device)
+        mine = slice(env.rank * per_rank, (env.rank + 1) * per_rank)
+        next_token_loss(model(ids[mine]), targets[mine]).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def full_parameters(model):
+    """Every parameter as a full tensor (a collective: all ranks call it)."""
+    return {name: p.full_tensor().detach().cpu() for name, p in model.named_parameters()}
+
+
+def max_diff(a, b):
+    return max((a[name] - b[name]).abs().max().item() for name in a)
+
+
+def save(args, env):
+    model, optimizer = sharded_model(env, args.seed)
+    train(model, optimizer, range(args.steps), env, args.seed)
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state,
+              "progress": {"step": torch.tensor(args.steps),
+                           "world_size": torch.tensor(env.world_size)}},
+             checkpoint_id=args.dir)
+    # The full export gathers every tensor; rank 0 alone keeps it, on CPU.
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                cpu_offload=True))
+    if env.is_rank0:
+        torch.save(full, args.dir / FULL_EXPORT)
+    dist.barrier()   # every rank's files are written before anyone measures them
+    files = [f for f in args.dir.iterdir() if f.name != FULL_EXPORT]
+    return {"step": args.steps,
+            "checkpoint_bytes": sum(f.stat().st_size for f in files),
+            "full_export_bytes": (args.dir / FULL_EXPORT).stat().st_size,
+            "param_count": sum(p.numel() for p in model.parameters())}
+
+
+def resume(args, env):
+    if not (args.dir / ".metadata").is_file():
+        distenv.fail(f"--dir {args.dir}: no checkpoint there (run the save phase first)")
+    model, optimizer = sharded_model(env, args.seed + 1)   # other weights: all must load
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state,
+             "progress": {"step": torch.tensor(0), "world_size": torch.tensor(0)}}
+    dcp.load(state, checkpoint_id=args.dir)   # into this rank's shards: DCP reshards
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
+    start = int(state["progress"]["step"])
+
+    loaded = full_parameters(model)
+    export_diff = None
+    if env.is_rank0:   # the export in an ordinary model, no process group involved
+        plain = Transformer(SHAPE)
+        plain.load_state_dict(torch.load(args.dir / FULL_EXPORT, weights_only=True))
+        export_diff = max_diff(dict(plain.named_parameters()), loaded)
+
+    train(model, optimizer, range(start, start + args.steps), env, args.seed)
+    uninterrupted, uninterrupted_optimizer = sharded_model(env, args.seed)
+    train(uninterrupted, uninterrupted_optimizer, range(start + args.steps), env, args.seed)
+    return {"saved_world_size": int(state["progress"]["world_size"]),
+            "resumed_from_step": start,
+            "total_steps": start + args.steps,
+            "max_param_diff_vs_uninterrupted": max_diff(full_parameters(model),
+                                                        full_parameters(uninterrupted)),
+            "export_max_diff": export_diff,
+            "param_count": sum(p.numel() for p in model.parameters())}
+
+
+def parse_args(argv=None):
+    parser = distenv.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("phase", choices=["save", "resume"])
+    parser.add_argument("--dir", type=Path, required=True, help="the checkpoint's folder")
+    parser.add_argument("--steps", type=int, default=STEPS,
+                        help="steps to train before saving, or after resuming")
+    distenv.add_common_args(parser)
+    args = parser.parse_args(argv)
+    if args.steps < 0:
+        distenv.fail(f"--steps cannot be negative, got {args.steps}")
+    return args
+
+
+def main():
+    args = parse_args()
+    with distenv.initialize(args) as env:
+        if GLOBAL_BATCH % env.world_size:
+            distenv.fail(f"the global batch of {GLOBAL_BATCH} sequences does not split over "
+                         f"{env.world_size} ranks; use 1, 2, 3, 4, 6 or 12")
+        if args.phase == "save":
+            metrics = save(args, env)
+            env.print0(f"step {metrics['step']} saved by {env.world_size} ranks to {args.dir}: "
+                       f"{metrics['checkpoint_bytes']:,} B sharded, "
+                       f"{metrics['full_export_bytes']:,} B full export")
+        else:
+            metrics = resume(args, env)
+            env.print0(f"saved by {metrics['saved_world_size']} ranks, resumed by "
+                       f"{env.world_size} at step {metrics['resumed_from_step']}, trained to "
+                       f"{metrics['total_steps']}: max |resumed - uninterrupted| = "
+                       f"{metrics['max_param_diff_vs_uninterrupted']:.2e}")
+        env.write_result(f"checkpoint_{args.phase}", args, metrics)
+
+
+if __name__ == "__main__":
+    main()
