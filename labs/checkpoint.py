@@ -2,7 +2,8 @@
 size, load it at another, and carry on as if nothing happened.
 
   save    trains --steps steps with fully_shard (every unit, then the root) and SGD with
-          momentum, then writes a sharded checkpoint of model and optimizer to --dir:
+          momentum (the FSDP lab's model and optimizer; momentum is state the checkpoint
+          must carry), then writes a sharded checkpoint of model and optimizer to --dir:
           each rank writes its own shards, in parallel, and the metadata records how the
           full tensors were cut. Rank 0 also exports a full state dict (plain tensors, on
           CPU) to --dir/full_model.pt for use outside distributed training.
@@ -41,13 +42,11 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import fully_shard
 
 import distenv
-from transformer import Shape, Transformer, next_token_loss, random_batch
+from fsdp import LEARNING_RATE, MOMENTUM, SHAPE   # the FSDP lab's model and optimizer
+from transformer import Transformer, next_token_loss, random_batch
 
-SHAPE = Shape(layers=2, hidden=50, heads=5, seq=16, vocab=97)  # padded at N = 3 and 4
 GLOBAL_BATCH = 12      # sequences per step in all: divides by N = 1, 2, 3, 4
 STEPS = 3
-LEARNING_RATE = 0.1
-MOMENTUM = 0.9         # optimizer state that must survive the checkpoint
 FULL_EXPORT = "full_model.pt"
 
 

@@ -64,6 +64,11 @@ MOMENTUM = 0.9         # one fp32 state per parameter, sharded like the paramete
 BYTES = 4              # fp32 everywhere: parameters, gradients, momentum, communication
 
 
+def padded_numel(numel, world_size):
+    """A unit's flat size rounded up to a multiple of N: N equal shards, the last padded."""
+    return math.ceil(numel / world_size) * world_size
+
+
 def live_bytes(tensors):
     """Bytes of the distinct storages behind `tensors`: views of one buffer count once,
     and a freed buffer (storage resized to 0) counts nothing."""
@@ -92,7 +97,7 @@ class FlatUnit:
     def __init__(self, module, env):
         self.params = list(module.parameters())
         self.numel = sum(p.numel() for p in self.params)
-        self.padded = math.ceil(self.numel / env.world_size) * env.world_size
+        self.padded = padded_numel(self.numel, env.world_size)
         shard_numel = self.padded // env.world_size
         self.full = torch.zeros(self.padded, device=env.device)
         torch.cat([p.detach().flatten() for p in self.params], out=self.full[:self.numel])
@@ -243,6 +248,7 @@ class Timeline:
 
     def __init__(self, units, tensors):
         self.tensors, self.events, self.active = tensors, [], False
+        self.pending = {}   # unit -> gradients still to arrive in this backward
         for index, module in enumerate(units):
             params = list(module.parameters())
             module.register_forward_pre_hook(
@@ -250,7 +256,6 @@ class Timeline:
             module.register_forward_hook(self._after_forward(index, len(params)))
             for p in params:
                 p.register_post_accumulate_grad_hook(lambda _, i=index: self._grad_ready(i))
-        self.pending = {}
 
     def _after_forward(self, index, param_count):
         def hook(module, inputs, output):
