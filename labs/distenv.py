@@ -163,6 +163,15 @@ class DistEnv:
         return result
 
 
+def max_param_diff(params, reference, device):
+    """Largest |difference| between two lists of tensors, over all of them and all ranks
+    (a collective: every rank calls it)."""
+    diff = max((p.detach() - r.detach()).abs().max().item() for p, r in zip(params, reference))
+    worst = torch.tensor([diff], device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return worst.item()
+
+
 def _init_fake_group(world_size, timeout):
     """Rank 0 of a world of `world_size` in this one process: torch's fake process group.
 

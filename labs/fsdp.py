@@ -44,7 +44,6 @@ import math
 from fractions import Fraction
 
 import torch
-import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -52,7 +51,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import comm_model
 import distenv
 import memory_model
-from transformer import Shape, Transformer, next_token_loss, random_batch
+from transformer import Shape, Transformer, next_token_loss, rank_batch
 
 # hidden 50 and vocab + seq = 113 make every unit's size indivisible by 3 or 4 somewhere,
 # so the padding is exercised at the world sizes the tests run
@@ -311,18 +310,8 @@ def state_bytes(implementation):
     return {**result, "total": sum(result.values())}
 
 
-def max_diff(params, reference, device):
-    """Largest |difference| over all parameters and all ranks."""
-    diff = max((p - r.detach()).abs().max().item() for p, r in zip(params, reference))
-    worst = torch.tensor([diff], device=device)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return worst.item()
-
-
 def batch(args, step, rank, device):
-    """Rank `rank`'s sequences at `step`: the same for every implementation."""
-    generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + rank)
-    return random_batch(SHAPE, BATCH, generator, device)
+    return rank_batch(SHAPE, BATCH, args.seed, step, rank, device)
 
 
 def run(args, env):
@@ -362,8 +351,8 @@ def run(args, env):
             "predicted_peak_bytes": max(e["param_bytes"] + e["grad_bytes"] for e in predicted)}
     return {
         "max_param_diff": {
-            "scratch_vs_ddp": max_diff(zero3.full_parameters(), reference, env.device),
-            "fully_shard_vs_ddp": max_diff(fsdp2.full_parameters(), reference, env.device)},
+            "scratch_vs_ddp": distenv.max_param_diff(zero3.full_parameters(), reference, env.device),
+            "fully_shard_vs_ddp": distenv.max_param_diff(fsdp2.full_parameters(), reference, env.device)},
         "comm_bytes_per_rank": {"ddp": round(ddp.counter.sent),
                                 "zero3": round(zero3.counter.sent)},
         "predicted_comm_bytes_per_rank": {k: round(v) for k, v in predicted_comm.items()},

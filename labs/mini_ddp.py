@@ -47,7 +47,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import distenv
 import time_model
 import timing
-from transformer import Shape, Transformer, next_token_loss, random_batch
+from transformer import Shape, Transformer, next_token_loss, rank_batch
 
 # model and data: about 0.93 M parameters (3.7 MB of fp32 gradients), four 1 MiB buckets
 SHAPE = Shape(layers=4, hidden=128, heads=4, seq=64, vocab=512)
@@ -187,9 +187,7 @@ IMPLEMENTATIONS = {"naive": Naive, "bucketed": Bucketed, "overlapped": Overlappe
 
 
 def batch(args, step, rank, device):
-    """The batch rank `rank` trains on at `step`: the same on every run, whatever N is."""
-    generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + rank)
-    return random_batch(SHAPE, args.batch, generator, device)
+    return rank_batch(SHAPE, args.batch, args.seed, step, rank, device)
 
 
 def train_step(model, optimizer, ids, targets, after_backward=lambda: None):
@@ -208,14 +206,6 @@ def reference_params(initial, args, env):
         ids, targets = (torch.cat(parts) for parts in zip(*shards))
         train_step(model, optimizer, ids, targets)
     return list(model.parameters())
-
-
-def max_param_diff(params, reference, device):
-    """Largest |difference| to the reference, over all parameters and all ranks."""
-    diff = max((p.detach() - r.detach()).abs().max().item() for p, r in zip(params, reference))
-    worst = torch.tensor([diff], device=device)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return worst.item()
 
 
 def run(args, env):
@@ -244,7 +234,7 @@ def run(args, env):
     for name, (implementation, _, times) in runs.items():
         median, low, high = timing.summary(times)
         variants[name] = {"step_time_s": median, "step_time_spread_s": high - low,
-                          "max_param_diff": max_param_diff(
+                          "max_param_diff": distenv.max_param_diff(
                               implementation.model.parameters(), reference, env.device)}
     params = list(initial.parameters())[::-1]
     sizes = [p.numel() * p.element_size() for p in params]

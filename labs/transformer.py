@@ -111,3 +111,10 @@ def random_batch(shape, batch, generator, device):
     ids = torch.randint(shape.vocab, (batch, shape.seq + 1), generator=generator)
     ids = ids.to(device)
     return ids[:, :-1], ids[:, 1:]
+
+
+def rank_batch(shape, batch, seed, step, rank, device):
+    """The batch rank `rank` trains on at `step`: the same in every run and every
+    implementation, whatever N is, so runs can be compared step by step."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
+    return random_batch(shape, batch, generator, device)

@@ -122,10 +122,11 @@ def run(args, env):
     trained = list(ddp.model.module.parameters())
     return {"library": args.library,
             "library_version": library.version,
-            "max_param_diff_vs_ddp": fsdp.max_diff(library.full_parameters(), trained,
-                                                   env.device),
+            "max_param_diff_vs_ddp": distenv.max_param_diff(library.full_parameters(), trained,
+                                                            env.device),
             # how far training moved the weights: the difference above is small beside it
-            "max_param_change": fsdp.max_diff(trained, list(initial.parameters()), env.device),
+            "max_param_change": distenv.max_param_diff(trained, list(initial.parameters()),
+                                                       env.device),
             "local_param_numel": library.local_param_numel(),
             "param_count": sum(p.numel() for p in initial.parameters()),
             "steps": args.steps,
