@@ -2,8 +2,8 @@
 size, load it at another, and carry on as if nothing happened.
 
   save    trains --steps steps with fully_shard (every unit, then the root) and SGD with
-          momentum (the FSDP lab's model and optimizer; momentum is state the checkpoint
-          must carry), then writes a sharded checkpoint of model and optimizer to --dir:
+          momentum (the FSDP lab's model and optimizer, strategies' FSDP_FAMILY; momentum
+          is state the checkpoint must carry), then writes a sharded checkpoint of model and optimizer to --dir:
           each rank writes its own shards, in parallel, and the metadata records how the
           full tensors were cut. Rank 0 also exports a full state dict (plain tensors, on
           CPU) to --dir/full_model.pt for use outside distributed training.
@@ -24,14 +24,13 @@ Launch lines (from the repository root):
   two nodes: run each phase on both nodes with --nnodes=2 --rdzv-backend=c10d
              --rdzv-endpoint=HOST:29500 --rdzv-id=ckpt; --dir must be a shared file system
 
-JSON (save): step, checkpoint_bytes (all files of the sharded checkpoint),
+JSON (both): phase. JSON (save): step, checkpoint_bytes (all files of the sharded checkpoint),
 full_export_bytes, param_count.
 JSON (resume): saved_world_size, resumed_from_step, total_steps,
 max_param_diff_vs_uninterrupted, export_max_diff (the exported full state dict against
 the checkpoint as loaded, before training on), param_count.
 """
 
-import argparse
 from pathlib import Path
 
 import torch
@@ -39,11 +38,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_state_dict, set_state_dict)
-from torch.distributed.fsdp import fully_shard
 
-import distenv
-from fsdp import LEARNING_RATE, MOMENTUM, SHAPE   # the FSDP lab's model and optimizer
-from transformer import Transformer, next_token_loss, random_batch
+from labkit import distenv
+from labkit.strategies import FSDP_FAMILY as SETUP
+from labkit.strategies import apply_fsdp, train_step
+from labkit.transformer import Transformer, random_batch
 
 GLOBAL_BATCH = 12      # sequences per step in all: divides by N = 1, 2, 3, 4
 STEPS = 3
@@ -52,24 +51,18 @@ FULL_EXPORT = "full_model.pt"
 
 def sharded_model(env, seed):
     torch.manual_seed(seed)   # the same initial weights at every world size
-    model = Transformer(SHAPE).to(env.device)
-    for unit in model.units():
-        fully_shard(unit)
-    fully_shard(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE, momentum=MOMENTUM)
-    return model, optimizer
+    model = apply_fsdp(Transformer(SETUP.shape).to(env.device))
+    return model, SETUP.optimizer(model.parameters())
 
 
 def train(model, optimizer, steps, env, seed):
     """Train on `steps` (a range of step numbers): each rank takes its slice of the batch."""
     per_rank = GLOBAL_BATCH // env.world_size
     for step in steps:
-        generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
-        ids, targets = random_batch(SHAPE, GLOBAL_BATCH, generator, env.device)
+        ids, targets = random_batch(SETUP.shape, GLOBAL_BATCH,
+                                    distenv.generator(seed, "global batch", step), env.device)
         mine = slice(env.rank * per_rank, (env.rank + 1) * per_rank)
-        next_token_loss(model(ids[mine]), targets[mine]).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        train_step(model, optimizer, ids[mine], targets[mine])
 
 
 def full_parameters(model):
@@ -117,7 +110,7 @@ def resume(args, env):
     loaded = full_parameters(model)
     export_diff = None
     if env.is_rank0:   # the export in an ordinary model, no process group involved
-        plain = Transformer(SHAPE)
+        plain = Transformer(SETUP.shape)
         plain.load_state_dict(torch.load(args.dir / FULL_EXPORT, weights_only=True))
         export_diff = max_diff(dict(plain.named_parameters()), loaded)
 
@@ -134,17 +127,12 @@ def resume(args, env):
 
 
 def parse_args(argv=None):
-    parser = distenv.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = distenv.lab_parser(__doc__)
     parser.add_argument("phase", choices=["save", "resume"])
     parser.add_argument("--dir", type=Path, required=True, help="the checkpoint's folder")
-    parser.add_argument("--steps", type=int, default=STEPS,
+    parser.add_argument("--steps", type=distenv.at_least(0), default=STEPS,
                         help="steps to train before saving, or after resuming")
-    distenv.add_common_args(parser)
-    args = parser.parse_args(argv)
-    if args.steps < 0:
-        distenv.fail(f"--steps cannot be negative, got {args.steps}")
-    return args
+    return parser.parse_args(argv)
 
 
 def main():
@@ -164,7 +152,7 @@ def main():
                        f"{env.world_size} at step {metrics['resumed_from_step']}, trained to "
                        f"{metrics['total_steps']}: max |resumed - uninterrupted| = "
                        f"{metrics['max_param_diff_vs_uninterrupted']:.2e}")
-        env.write_result(f"checkpoint_{args.phase}", args, metrics)
+        env.write_result(args, {"phase": args.phase, **metrics})
 
 
 if __name__ == "__main__":

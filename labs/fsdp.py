@@ -38,34 +38,17 @@ state_bytes_per_rank and predicted_state_bytes_per_rank {ddp, zero3: {params, gr
 optimizer, total}}; param_count, padded_param_count, unit_param_counts, unit_padded_counts.
 """
 
-import argparse
 import copy
-import math
-from fractions import Fraction
 
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.distributed.fsdp import fully_shard
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-import comm_model
-import distenv
-import memory_model
-from transformer import Shape, Transformer, next_token_loss, rank_batch
+from labkit import comm_model, distenv, memory_model
+from labkit.strategies import FSDP_FAMILY as SETUP
+from labkit.strategies import apply_ddp, apply_fsdp, rank_batch, train_step
+from labkit.transformer import Transformer, next_token_loss
 
-# hidden 50 and vocab + seq = 113 make every unit's size indivisible by 3 or 4 somewhere,
-# so the padding is exercised at the world sizes the tests run
-SHAPE = Shape(layers=3, hidden=50, heads=5, seq=16, vocab=97)
-BATCH = 4              # sequences per rank per step
-STEPS = 4
-LEARNING_RATE = 0.1
-MOMENTUM = 0.9         # one fp32 state per parameter, sharded like the parameters
 BYTES = 4              # fp32 everywhere: parameters, gradients, momentum, communication
-
-
-def padded_numel(numel, world_size):
-    """A unit's flat size rounded up to a multiple of N: N equal shards, the last padded."""
-    return math.ceil(numel / world_size) * world_size
 
 
 def live_bytes(tensors):
@@ -79,24 +62,13 @@ def live_bytes(tensors):
     return sum(storages.values())
 
 
-class CommCounter:
-    """Bytes this rank sends, added up exactly (as a Fraction) per collective issued."""
-
-    def __init__(self, world_size):
-        self.world_size, self.sent = world_size, Fraction(0)
-
-    def add(self, op, tensor):
-        size = Fraction(tensor.numel() * tensor.element_size())
-        self.sent += comm_model.bytes_sent_per_rank(op, size, self.world_size)
-
-
 class FlatUnit:
     """One unit's parameters as views of one flat buffer that exists only while gathered."""
 
     def __init__(self, module, env):
         self.params = list(module.parameters())
         self.numel = sum(p.numel() for p in self.params)
-        self.padded = padded_numel(self.numel, env.world_size)
+        self.padded = memory_model.padded_numel(self.numel, env.world_size)
         shard_numel = self.padded // env.world_size
         self.full = torch.zeros(self.padded, device=env.device)
         torch.cat([p.detach().flatten() for p in self.params], out=self.full[:self.numel])
@@ -149,15 +121,14 @@ class ScratchZero3:
 
     def __init__(self, model, env):
         self.model, self.env = model, env
-        self.counter = CommCounter(env.world_size)
+        self.counter = comm_model.CollectiveCounter(env.world_size)
         self.units = [FlatUnit(unit, env) for unit in model.units()]
         for module, unit in zip(model.units(), self.units):
             module.register_forward_pre_hook(lambda *_, unit=unit: unit.gather(self.counter))
             module.register_forward_hook(self._after_forward(unit))
             for p in unit.params:
                 p.register_post_accumulate_grad_hook(lambda _, unit=unit: self._grad_ready(unit))
-        self.optimizer = torch.optim.SGD([unit.shard for unit in self.units],
-                                         lr=LEARNING_RATE, momentum=MOMENTUM)
+        self.optimizer = SETUP.optimizer([unit.shard for unit in self.units])
 
     def _after_forward(self, unit):
         def hook(module, inputs, output):
@@ -200,23 +171,19 @@ class TorchDDP:
     """torch DDP whose gradients are views of its buckets, counting the bytes it sends."""
 
     def __init__(self, model, env):
-        device_ids = [env.device.index] if env.device.type == "cuda" else None
-        self.model = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
-        self.counter = CommCounter(env.world_size)
-        self.model.register_comm_hook(None, self._counting_allreduce)
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=LEARNING_RATE,
-                                         momentum=MOMENTUM)
+        self.counter = comm_model.CollectiveCounter(env.world_size)
+        self.model = apply_ddp(model, env.device, comm_hook=self._counting_allreduce,
+                               gradient_as_bucket_view=True)
+        self.optimizer = SETUP.optimizer(self.model.parameters())
 
     def _counting_allreduce(self, state, bucket):
         self.counter.add("all_reduce", bucket.buffer())
         return default_hooks.allreduce_hook(state, bucket)
 
     def train_step(self, ids, targets):
-        next_token_loss(self.model(ids), targets).backward()
-        self.optimizer.step()
         # Keep the gradients: they are views of DDP's buckets, which exist either way;
         # the next backward overwrites them.
-        self.optimizer.zero_grad(set_to_none=False)
+        train_step(self.model, self.optimizer, ids, targets, set_to_none=False)
 
     def tensors(self):
         params = list(self.model.parameters())
@@ -225,16 +192,11 @@ class TorchDDP:
 
 class TorchFSDP2:
     def __init__(self, model):
-        for unit in model.units():
-            fully_shard(unit)
-        self.model = fully_shard(model)
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=LEARNING_RATE,
-                                         momentum=MOMENTUM)
+        self.model = apply_fsdp(model)
+        self.optimizer = SETUP.optimizer(self.model.parameters())
 
     def train_step(self, ids, targets):
-        next_token_loss(self.model(ids), targets).backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        train_step(self.model, self.optimizer, ids, targets)
 
     def full_parameters(self):
         return [p.full_tensor().detach() for p in self.model.parameters()]
@@ -280,27 +242,6 @@ class Timeline:
                                 "grad_bytes": live_bytes(grads)})
 
 
-def predicted_events(strategy, unit_numels, unit_padded, world_size):
-    """What each rank should hold at each sample: DDP holds every parameter and gradient
-    all the time; ZeRO-3 holds its shards plus the one unit it is working on, gathered
-    (forward) or gathered with its flat gradient (backward)."""
-    units = range(len(unit_numels))
-    order = [("forward", i, point) for i in units for point in ("start", "end")]
-    order += [("backward", i, point) for i in reversed(units) for point in ("start", "end")]
-    events = []
-    for phase, i, point in order:
-        if strategy == "ddp":
-            params = grads = BYTES * sum(unit_numels)
-        else:
-            params = grads = BYTES * sum(unit_padded) // world_size
-            if point == "start":
-                params += BYTES * unit_padded[i]
-                grads += BYTES * unit_padded[i] if phase == "backward" else 0
-        events.append({"phase": phase, "unit": i, "point": point,
-                       "param_bytes": params, "grad_bytes": grads})
-    return events
-
-
 def state_bytes(implementation):
     params, grads = implementation.tensors()
     optimizer = [t for state in implementation.optimizer.state.values()
@@ -310,12 +251,8 @@ def state_bytes(implementation):
     return {**result, "total": sum(result.values())}
 
 
-def batch(args, step, rank, device):
-    return rank_batch(SHAPE, BATCH, args.seed, step, rank, device)
-
-
 def run(args, env):
-    initial = Transformer(SHAPE).to(env.device)
+    initial = Transformer(SETUP.shape).to(env.device)
     ddp = TorchDDP(copy.deepcopy(initial), env)
     zero3 = ScratchZero3(copy.deepcopy(initial), env)
     fsdp2 = TorchFSDP2(copy.deepcopy(initial))
@@ -324,9 +261,10 @@ def run(args, env):
     for step in range(args.steps):
         last = step == args.steps - 1
         for name, implementation in (("ddp", ddp), ("zero3", zero3)):
-            implementation.counter.sent = Fraction(0)   # count the last step only
+            implementation.counter.reset()   # count the last step only
             timelines[name].active = last
-        ids, targets = batch(args, step, env.rank, env.device)
+        ids, targets = rank_batch(SETUP.shape, SETUP.batch, args.seed, step, env.rank,
+                                  env.device)
         for implementation in (ddp, zero3, fsdp2):
             implementation.train_step(ids, targets)
         env.progress(f"step {step + 1}/{args.steps}")
@@ -336,26 +274,24 @@ def run(args, env):
     unit_numels = [unit.numel for unit in zero3.units]
     unit_padded = [unit.padded for unit in zero3.units]
     psi, padded, n = sum(unit_numels), sum(unit_padded), env.world_size
-    predicted_comm = {
-        "ddp": Fraction(2 * (n - 1), n) * BYTES * psi,   # one all-reduce of every gradient
-        "zero3": Fraction(3 * (n - 1), n) * BYTES * padded,  # gather, gather, reduce-scatter
-    }
     timeline = {}
     for name in ("ddp", "zero3"):
         events = timelines[name].events
-        predicted = predicted_events(name, unit_numels, unit_padded, n)
+        predicted = memory_model.step_timeline(name, unit_numels, n, BYTES)
         timeline[name] = {
             "events": events,
-            "peak_bytes": max((e["param_bytes"] + e["grad_bytes"] for e in events), default=None),
+            "peak_bytes": memory_model.timeline_peak(events) if events else None,
             "predicted_events": predicted,
-            "predicted_peak_bytes": max(e["param_bytes"] + e["grad_bytes"] for e in predicted)}
+            "predicted_peak_bytes": memory_model.timeline_peak(predicted)}
     return {
         "max_param_diff": {
             "scratch_vs_ddp": distenv.max_param_diff(zero3.full_parameters(), reference, env.device),
             "fully_shard_vs_ddp": distenv.max_param_diff(fsdp2.full_parameters(), reference, env.device)},
         "comm_bytes_per_rank": {"ddp": round(ddp.counter.sent),
                                 "zero3": round(zero3.counter.sent)},
-        "predicted_comm_bytes_per_rank": {k: round(v) for k, v in predicted_comm.items()},
+        "predicted_comm_bytes_per_rank": {
+            "ddp": round(comm_model.data_parallel_bytes_per_rank("ddp", psi, n, BYTES)),
+            "zero3": round(comm_model.data_parallel_bytes_per_rank("zero3", padded, n, BYTES))},
         "memory_timeline": timeline,   # rank 0's is the one written
         "state_bytes_per_rank": {"ddp": state_bytes(ddp), "zero3": state_bytes(zero3)},
         "predicted_state_bytes_per_rank": {
@@ -369,15 +305,10 @@ def run(args, env):
 
 
 def parse_args(argv=None):
-    parser = distenv.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=STEPS,
+    parser = distenv.lab_parser(__doc__)
+    parser.add_argument("--steps", type=distenv.positive_int, default=SETUP.steps,
                         help="training steps of each implementation (the last one is measured)")
-    distenv.add_common_args(parser)
-    args = parser.parse_args(argv)
-    if args.steps < 1:
-        distenv.fail(f"--steps must be at least 1, got {args.steps}")
-    return args
+    return parser.parse_args(argv)
 
 
 def main():
@@ -392,10 +323,10 @@ def main():
                    f"fully_shard {diff['fully_shard_vs_ddp']:.2e}")
         for name in ("ddp", "zero3"):
             timeline, state = metrics["memory_timeline"][name], metrics["state_bytes_per_rank"]
-            env.print0(f"{name:>5}: sent {sent[name]:,} B/step (predicted {predicted[name]:,}), "
-                       f"peak params+grads {timeline['peak_bytes']:,} B (predicted "
+            env.print0(f"{name:>5}: sent {sent[name]:,} B/step (predicted {predicted[name]:,})")
+            env.print0(f"       peak params+grads {timeline['peak_bytes']:,} B (predicted "
                        f"{timeline['predicted_peak_bytes']:,}), state {state[name]['total']:,} B")
-        env.write_result("fsdp", args, metrics)
+        env.write_result(args, metrics)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ JSON metrics: `variants` {name: {max_param_diff, expected_equal}}, `param_diff_b
 {name: [float per step]}, `tolerance`, `microbatches_per_epoch`.
 """
 
-import argparse
 import contextlib
 import itertools
 
@@ -35,7 +34,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-import distenv
+from labkit import distenv
+from labkit.strategies import apply_ddp
 
 # training
 STEPS = 30            # optimizer steps per variant
@@ -130,10 +130,6 @@ def allreduce_gradients(divide_by_world):
     return hook
 
 
-def wrap_ddp(model, env):
-    return DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
-
-
 def unequal_sizes(world_size, batch_per_rank):
     """Pitfall: rank r gets B + r samples per step (as an unpadded last batch would)."""
     return [batch_per_rank + r for r in range(world_size)]
@@ -148,24 +144,24 @@ def run_variant(name, env, dataset, args):
         return shuffled_batches(dataset, b, n, env.rank, args.seed, env.device, set_epoch)
 
     if name == "ddp":
-        return train(wrap_ddp(model, env), rank_batches(), args.steps, args.lr)
+        return train(apply_ddp(model, env.device), rank_batches(), args.steps, args.lr)
     if name == "manual_allreduce":
         return train(model, rank_batches(), args.steps, args.lr,
                      after_backward=allreduce_gradients(divide_by_world=True))
     if name == "grad_accumulation":
-        return train(wrap_ddp(model, env), rank_batches(), args.steps, args.lr, accum=args.accum)
+        return train(apply_ddp(model, env.device), rank_batches(), args.steps, args.lr, accum=args.accum)
     if name == "sum_not_mean":
         return train(model, rank_batches(), args.steps, args.lr,
                      after_backward=allreduce_gradients(divide_by_world=False))
     if name == "no_set_epoch":
-        return train(wrap_ddp(model, env), rank_batches(set_epoch=False), args.steps, args.lr)
+        return train(apply_ddp(model, env.device), rank_batches(set_epoch=False), args.steps, args.lr)
     if name == "unequal_shards":
         sizes = unequal_sizes(n, b)
         start = sum(sizes[:env.rank])
         global_batches = shuffled_batches(dataset, sum(sizes), 1, 0, args.seed, env.device)
         my_share = ((x[start:start + sizes[env.rank]], y[start:start + sizes[env.rank]])
                     for x, y in global_batches)
-        return train(wrap_ddp(model, env), my_share, args.steps, args.lr)
+        return train(apply_ddp(model, env.device), my_share, args.steps, args.lr)
     raise ValueError(f"unknown variant {name!r}")
 
 
@@ -196,21 +192,16 @@ def microbatches_per_epoch(env, args):
 
 
 def parse_args(argv=None):
-    parser = distenv.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=STEPS, help="optimizer steps per variant")
-    parser.add_argument("--batch-per-rank", type=int, default=BATCH_PER_RANK,
+    parser = distenv.lab_parser(__doc__)
+    positive = distenv.positive_int
+    parser.add_argument("--steps", type=positive, default=STEPS, help="optimizer steps per variant")
+    parser.add_argument("--batch-per-rank", type=positive, default=BATCH_PER_RANK,
                         help="B, samples per rank per micro-step")
-    parser.add_argument("--accum", type=int, default=ACCUM,
+    parser.add_argument("--accum", type=positive, default=ACCUM,
                         help="micro-steps per optimizer step for grad_accumulation")
-    parser.add_argument("--samples", type=int, default=SAMPLES, help="size of the data set")
+    parser.add_argument("--samples", type=positive, default=SAMPLES, help="size of the data set")
     parser.add_argument("--lr", type=float, default=LEARNING_RATE, help="SGD learning rate")
-    distenv.add_common_args(parser)
     args = parser.parse_args(argv)
-    for option in ("steps", "batch_per_rank", "accum", "samples"):
-        if getattr(args, option) < 1:
-            distenv.fail(f"--{option.replace('_', '-')} must be at least 1, "
-                         f"got {getattr(args, option)}")
     if not args.lr > 0:
         distenv.fail(f"--lr must be positive, got {args.lr}")
     return args
@@ -247,7 +238,7 @@ def main():
             variants[name] = {"max_param_diff": max(diffs), "expected_equal": expect}
             verdict = "as expected" if matched == expect else "UNEXPECTED"
             env.print0(f"{name:<18} {max(diffs):12.3e}  {'equal' if expect else 'differ':<8}  {verdict}")
-        env.write_result("grad_averaging", args, {
+        env.write_result(args, {
             "variants": variants,
             "param_diff_by_step": by_step,
             "tolerance": TOLERANCE,

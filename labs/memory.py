@@ -11,12 +11,16 @@
            Parameters are counted after the forward pass (what it left gathered), gradients
            after backward, optimizer state after the step.
 
+  Several strategies (a comma-separated list, or all) run one after another in the same
+  processes, and --simulate-world-size takes a list: one process measures rank 0 of each
+  simulated world in turn.
+
 Launch lines (from the repository root):
   the ZeRO paper's example:  python labs/memory.py predict --params 7.5B --gpus 64
   from a model shape:        python labs/memory.py predict --layers 32 --hidden 4096 \
                                --heads 32 --seq 2048 --batch 1 --vocab 32000 --gpus 8
   laptop, gloo on CPU:       torchrun --standalone --nproc_per_node=4 labs/memory.py \
-                               measure --strategy zero3 --out mem.json
+                               measure --strategy all --out mem.json
   rank 0 of 1024, simulated: python labs/memory.py measure --strategy zero3 \
                                --simulate-world-size 1024 --out mem.json
   GPU box, NCCL:             torchrun --standalone --nproc_per_node=8 labs/memory.py \
@@ -27,25 +31,26 @@ Launch lines (from the repository root):
 
 predict --json prints {strategy: {params, grads, optimizer, total}} in bytes (from a model
 shape also activations and activations_checkpointed, their peaks, for each strategy).
-measure's JSON: `measured_bytes` and `predicted_bytes` {params, grads, optimizer, total};
-`layout_bytes`, the same predicted from the exact shard layout (FSDP2's row chunks, ZeRO-1's
-whole-tensor partition); `step_counter_bytes` (Adam's step counters, not in the formulas);
-`activation_bytes` {measured_per_layer, predicted_per_layer, measured, predicted};
-`peak_cuda_bytes` and `predicted_peak_bytes` on a GPU (null on CPU); `param_count`.
+measure's JSON: `measurements`, one per (world size, strategy): [{world_size, simulated,
+strategy, measured_bytes and predicted_bytes {params, grads, optimizer, total},
+layout_bytes (the same predicted from the exact shard layout: FSDP2's row chunks, ZeRO-1's
+whole-tensor partition), step_counter_bytes (Adam's step counters, not in the formulas),
+peak_cuda_bytes and predicted_peak_bytes (on a GPU; null on CPU)}]; `activation_bytes`
+{measured_per_layer, predicted_per_layer, measured, predicted}; `param_count`, `shape`,
+`optimizer`, `precision`. With several simulated worlds the top-level world_size is 1 (one
+process) and `simulated_world_sizes` lists them.
 """
 
-import argparse
 import dataclasses
+import gc
 import json
 
 import torch
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-import distenv
-import memory_model
-from transformer import Shape, Transformer, next_token_loss, random_batch
+from labkit import distenv, memory_model
+from labkit.strategies import apply_ddp, apply_fsdp, rank_batch
+from labkit.transformer import Shape, Transformer, next_token_loss, random_batch
 
 # The measured model: every sharded dimension (192, 384, 576, 768) divides by 1, 2, 3,
 # 4 and 64, so FSDP2's shards are exactly 1/N there; at N = 128 and beyond they are not.
@@ -108,23 +113,17 @@ def wrap(model, strategy, env, optimizer_name):
     """(module to call, optimizer) for one strategy, built with torch's own implementation."""
     optimizer_class, options = OPTIMIZERS[optimizer_name]
     if strategy in ("ddp", "zero1"):
-        device_ids = [env.device.index] if env.device.type == "cuda" else None
         # gradient_as_bucket_view: gradients live in DDP's buckets instead of beside them
-        wrapped = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
-        if env.simulated:
-            wrapped.register_comm_hook(None, skip_allreduce)
+        wrapped = apply_ddp(model, env.device, gradient_as_bucket_view=True,
+                            comm_hook=skip_allreduce if env.simulated else None)
         if strategy == "ddp":
             return wrapped, optimizer_class(wrapped.parameters(), **options)
         # imported here: torch.distributed.optim warns about torch.jit when imported
         from torch.distributed.optim import ZeroRedundancyOptimizer
         return wrapped, ZeroRedundancyOptimizer(wrapped.parameters(),
                                                 optimizer_class=optimizer_class, **options)
-    # FSDP2: one unit per embedding, block and head, so the root holds no parameters of its
-    # own (the root is never resharded after forward).
-    reshard = strategy == "zero3"
-    for unit in model.units():
-        fully_shard(unit, reshard_after_forward=reshard)
-    fully_shard(model, reshard_after_forward=reshard)
+    # FSDP2, one unit per embedding, block and head
+    model = apply_fsdp(model, reshard_after_forward=strategy == "zero3")
     return model, optimizer_class(model.parameters(), **options)
 
 
@@ -137,11 +136,10 @@ def skip_allreduce(state, bucket):
 
 def train_and_count(wrapped, optimizer, shape, args, env):
     """Train `args.steps` steps; count what rank 0 holds in the last one."""
-    generator = torch.Generator().manual_seed(args.seed + env.rank)
     counted = {}
-    for _ in range(args.steps):
+    for step in range(args.steps):
         optimizer.zero_grad(set_to_none=True)
-        ids, targets = random_batch(shape, args.batch, generator, env.device)
+        ids, targets = rank_batch(shape, args.batch, args.seed, step, env.rank, env.device)
         loss = next_token_loss(wrapped(ids), targets)
         counted["params"] = local_bytes(wrapped.parameters())
         loss.backward()
@@ -176,71 +174,96 @@ def layout_bytes(model, strategy, world_size, rank, optimizer_name):
 
 
 def measure(args):
-    with distenv.initialize(args, simulate_world_size=args.simulate_world_size) as env:
-        # Measured in a function of its own, so the wrapped model and optimizer are gone
-        # before the process group is destroyed.
-        metrics = measure_on_rank(args, env)
-        report(metrics, env)
-        env.write_result("memory", args, metrics)
+    """Every strategy at this world size, or at each simulated one; rank 0 writes them all."""
+    worlds = args.simulate_world_size or [None]
+    measurements, shared = [], None
+    for index, simulated in enumerate(worlds):
+        with distenv.initialize(args, simulate_world_size=simulated) as env:
+            if shared is None:
+                shared = model_facts(args, env)
+                env.print0(f"{shared['param_count']:,} parameters, {args.optimizer}, fp32; "
+                           f"activations per layer: measured "
+                           f"{shared['activation_bytes']['measured_per_layer']:,} bytes, "
+                           f"formula {shared['activation_bytes']['predicted_per_layer']:,}")
+            for strategy in args.strategy:
+                # Each strategy measured in a function of its own, so its wrapped model and
+                # optimizer are gone before the next one, and before the group is destroyed.
+                row = measure_strategy(strategy, args, env)
+                report(row, env)
+                measurements.append(row)
+                gc.collect()
+            if index == len(worlds) - 1:
+                extra = {}
+                if len(worlds) > 1:   # one process stood for several worlds
+                    env = dataclasses.replace(env, world_size=1)
+                    extra = {"simulated_world_sizes": worlds}
+                env.write_result(args, {**shared, **extra, "measurements": measurements})
 
 
-def measure_on_rank(args, env):
-    """Build, wrap and train the model; return the lab's metrics (rank 0's view)."""
+def model_facts(args, env):
+    """What does not depend on the strategy: the model's size, and its activations, counted
+    in one forward of the bare model."""
     shape = shape_of(args)
     torch.manual_seed(args.seed)
     model = Transformer(shape).to(env.device)
-    param_count = sum(p.numel() for p in model.parameters())
-    layout = layout_bytes(model, args.strategy, env.world_size, env.rank, args.optimizer)
-
-    # Activations do not depend on the strategy: one forward of the bare model.
-    ids, targets = random_batch(shape, args.batch, torch.Generator().manual_seed(args.seed),
+    ids, targets = random_batch(shape, args.batch, distenv.generator(args.seed, "activations"),
                                 env.device)
     kept = count_activation_bytes(model, ids, targets)
     value_bytes = 4  # fp32 activations, no dropout in this model
-    predicted_layer = memory_model.activation_bytes_per_layer(
-        shape.seq, args.batch, shape.hidden, shape.heads, value_bytes, dropout=False)
-    predicted_activations, _ = memory_model.activation_bytes(
-        shape.layers, shape.seq, args.batch, shape.hidden, shape.heads, shape.vocab,
-        value_bytes, dropout=False)
+    return {
+        "optimizer": args.optimizer, "precision": PRECISION,
+        "shape": dataclasses.asdict(shape) | {"batch": args.batch},
+        "param_count": sum(p.numel() for p in model.parameters()),
+        "activation_bytes": {
+            "measured_per_layer": kept[0],
+            "predicted_per_layer": memory_model.activation_bytes_per_layer(
+                shape.seq, args.batch, shape.hidden, shape.heads, value_bytes, dropout=False),
+            "measured": sum(kept.values()),
+            "predicted": memory_model.activation_bytes(
+                shape.layers, shape.seq, args.batch, shape.hidden, shape.heads, shape.vocab,
+                value_bytes, dropout=False)[0]},
+    }
 
-    wrapped, optimizer = wrap(model, args.strategy, env, args.optimizer)
+
+def measure_strategy(strategy, args, env):
+    """Build, wrap and train the model under one strategy; what rank 0 holds, measured and
+    predicted."""
+    shape = shape_of(args)
+    torch.manual_seed(args.seed)   # the same initial weights for every strategy
+    model = Transformer(shape).to(env.device)
+    param_count = sum(p.numel() for p in model.parameters())
+    layout = layout_bytes(model, strategy, env.world_size, env.rank, args.optimizer)
+    wrapped, optimizer = wrap(model, strategy, env, args.optimizer)
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(env.device)
     measured, step_counters = train_and_count(wrapped, optimizer, shape, args, env)
-    predicted = memory_model.state_bytes_per_gpu(param_count, env.world_size, args.strategy,
+    predicted = memory_model.state_bytes_per_gpu(param_count, env.world_size, strategy,
                                                  args.optimizer, PRECISION)
     peak = predicted_peak = None
     if env.device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(env.device)
-        predicted_peak = predicted["total"] + predicted_activations
-    return {"strategy": args.strategy, "optimizer": args.optimizer, "precision": PRECISION,
-            "shape": dataclasses.asdict(shape) | {"batch": args.batch},
-            "param_count": param_count, "measured_bytes": measured,
-            "predicted_bytes": predicted, "layout_bytes": layout,
+        activations = memory_model.activation_bytes(
+            shape.layers, shape.seq, args.batch, shape.hidden, shape.heads, shape.vocab,
+            4, dropout=False)[1]
+        predicted_peak = predicted["total"] + activations
+    return {"world_size": env.world_size, "simulated": env.simulated, "strategy": strategy,
+            "measured_bytes": measured, "predicted_bytes": predicted, "layout_bytes": layout,
             "step_counter_bytes": step_counters,
-            "activation_bytes": {"measured_per_layer": kept[0],
-                                 "predicted_per_layer": predicted_layer,
-                                 "measured": sum(kept.values()),
-                                 "predicted": predicted_activations},
             "peak_cuda_bytes": peak, "predicted_peak_bytes": predicted_peak}
 
 
-def report(metrics, env):
+def report(row, env):
     """Rank 0 prints measured, formula and layout bytes side by side."""
-    measured, predicted = metrics["measured_bytes"], metrics["predicted_bytes"]
-    layout, activations = metrics["layout_bytes"], metrics["activation_bytes"]
+    measured, predicted, layout = row["measured_bytes"], row["predicted_bytes"], row["layout_bytes"]
     where = "simulated " if env.simulated else ""
-    env.print0(f"{metrics['strategy']} ({metrics['optimizer']}, fp32), "
-               f"{metrics['param_count']:,} parameters: "
-               f"rank 0 of a {where}world of {env.world_size} on {env.device}")
+    env.print0(f"{row['strategy']}: rank 0 of a {where}world of {env.world_size} on "
+               f"{env.device}")
     env.print0(f"{'bytes':>10} {'measured':>12} {'formula':>12} {'layout':>12}")
     for key in ("params", "grads", "optimizer", "total"):
         env.print0(f"{key:>10} {measured[key]:>12,} {predicted[key]:>12,.0f} {layout[key]:>12,}")
-    env.print0(f"activations per layer: measured {activations['measured_per_layer']:,}, "
-               f"formula {activations['predicted_per_layer']:,}")
-    if metrics["peak_cuda_bytes"] is not None:
-        env.print0(f"peak CUDA memory {metrics['peak_cuda_bytes']:,} bytes; "
-                   f"states + activations {metrics['predicted_peak_bytes']:,.0f}")
+    if row["peak_cuda_bytes"] is not None:
+        env.print0(f"peak CUDA memory {row['peak_cuda_bytes']:,} bytes; "
+                   f"states + activations {row['predicted_peak_bytes']:,.0f}")
 
 
 def predict(args):
@@ -279,25 +302,31 @@ def predict(args):
 
 
 def parse_args(argv=None):
-    parser = distenv.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = distenv.lab_parser(__doc__, common=False)
     commands = parser.add_subparsers(dest="command", required=True)
     pred = commands.add_parser("predict", help="bytes per GPU from the formulas")
     pred.add_argument("--params", help="parameter count, e.g. 7.5B, 350M, 1.3e9")
-    pred.add_argument("--gpus", type=int, default=1, help="data-parallel ranks N")
+    pred.add_argument("--gpus", type=distenv.positive_int, default=1,
+                      help="data-parallel ranks N")
     pred.add_argument("--optimizer", choices=memory_model.OPTIMIZERS, default="adam")
     pred.add_argument("--precision", choices=memory_model.PRECISIONS, default="mixed")
-    pred.add_argument("--batch", type=int, default=1, help="sequences per GPU (activations)")
+    pred.add_argument("--batch", type=distenv.positive_int, default=1,
+                      help="sequences per GPU (activations)")
     pred.add_argument("--no-dropout", dest="dropout", action="store_false",
                       help="activations of a model trained without dropout")
     pred.add_argument("--json", action="store_true", help="print JSON, bytes per GPU")
     meas = commands.add_parser("measure", help="count what rank 0 holds in torch's own")
-    meas.add_argument("--strategy", required=True, choices=memory_model.STRATEGIES)
+    meas.add_argument("--strategy", required=True,
+                      type=distenv.choice_list(memory_model.STRATEGIES),
+                      help=f"comma-separated, from {', '.join(memory_model.STRATEGIES)}; or all")
     meas.add_argument("--optimizer", choices=memory_model.OPTIMIZERS, default="adam")
-    meas.add_argument("--batch", type=int, default=BATCH, help="sequences per rank per step")
-    meas.add_argument("--steps", type=int, default=STEPS, help="training steps")
-    meas.add_argument("--simulate-world-size", type=int, default=None, metavar="N",
-                      help="be rank 0 of a world of N in this one process (fake process group)")
+    meas.add_argument("--batch", type=distenv.positive_int, default=BATCH,
+                      help="sequences per rank per step")
+    meas.add_argument("--steps", type=distenv.positive_int, default=STEPS, help="training steps")
+    meas.add_argument("--simulate-world-size", type=distenv.int_list(1), default=None,
+                      metavar="N[,N...]",
+                      help="be rank 0 of a world of N in this one process (fake process "
+                           "group), for each N in turn")
     distenv.add_common_args(meas)
     for sub, default in ((pred, None), (meas, SHAPE)):
         group = sub.add_argument_group("model shape (GPT-style transformer)")
@@ -315,8 +344,6 @@ def shape_of(args):
 def check_args(args):
     given = [f for f in SHAPE_FIELDS if getattr(args, f) is not None]
     if args.command == "predict":
-        if args.gpus < 1:
-            distenv.fail(f"--gpus must be at least 1, got {args.gpus}")
         if args.params is not None:
             if given:
                 distenv.fail("give --params or a model shape (--layers ...), not both")
@@ -330,18 +357,14 @@ def check_args(args):
         missing = [f"--{f}" for f in SHAPE_FIELDS if f not in given]
         if missing:
             distenv.fail(f"a model shape needs {' '.join(missing)} as well")
-    elif args.steps < 1:
-        distenv.fail(f"--steps must be at least 1, got {args.steps}")
-    if args.batch < 1:
-        distenv.fail(f"--batch must be at least 1, got {args.batch}")
     problem = shape_of(args).check()
     if problem:
         distenv.fail(problem)
     return args
 
 
-def main():
-    args = parse_args()
+def main(argv=None):
+    args = parse_args(argv)
     if args.command == "predict":
         predict(args)
     else:

@@ -17,7 +17,8 @@ At the end each is compared with one process that trained on the whole batch.
 waits D ns per byte a rank sends in a ring (2(N-1)/N times its size), one all-reduce at a
 time on a communication thread of its own, in the scratch variants and (through a
 communication hook) in torch DDP. The wait uses no CPU, so it can hide behind backward as
-a transfer over a real network hides behind GPU compute; D = 1 is a 1 GB/s link.
+a transfer over a real network hides behind GPU compute; D = 1 is a 1 GB/s link. A list
+(0,5) runs every variant over each link in the same launch, steps alternating.
 
 Launch lines (from the repository root):
   laptop, gloo on CPU:   torchrun --standalone --nproc_per_node=2 labs/mini_ddp.py
@@ -28,11 +29,11 @@ Launch lines (from the repository root):
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
              --rdzv-id=mini_ddp labs/mini_ddp.py --out ddp.json
 
-JSON: `variants` {name: {step_time_s (median), step_time_spread_s (interquartile range),
-max_param_diff (against the single-process reference)}}; `bucket_bytes` (the scratch
-buckets, in all-reduce order), `param_bytes` (one per parameter, same order), and the
-compute of one step without communication: `forward_time_s`, `backward_time_s`,
-`optimizer_time_s`.
+JSON: `links` [{comm_delay_ns_per_byte, variants {name: {step_time_s (median),
+step_time_spread_s (interquartile range), max_param_diff (against the single-process
+reference)}}}], one per delay; `bucket_bytes` (the scratch buckets, in all-reduce order),
+`param_bytes` (one per parameter, same order), and the compute of one step without
+communication: `forward_time_s`, `backward_time_s`, `optimizer_time_s`.
 """
 
 import argparse
@@ -42,15 +43,13 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-import distenv
-import time_model
-import timing
-from transformer import Shape, Transformer, next_token_loss, rank_batch
+from labkit import distenv, time_model, timing
+from labkit.strategies import SCALING_SHAPE as SHAPE
+from labkit.strategies import apply_ddp, rank_batch, train_step
+from labkit.transformer import Transformer, next_token_loss
 
-# model and data: about 0.93 M parameters (3.7 MB of fp32 gradients), four 1 MiB buckets
-SHAPE = Shape(layers=4, hidden=128, heads=4, seq=64, vocab=512)
+# model and data: SCALING_SHAPE, 3.7 MB of fp32 gradients in four 1 MiB buckets
 BATCH = 4              # sequences per rank per step
 LEARNING_RATE = 0.1    # plain SGD: the result depends on the gradients alone
 # timing
@@ -168,9 +167,10 @@ class Overlapped(Bucketed):
 
 class TorchDDP:
     def __init__(self, model, link, bucket_bytes_cap):
-        self.model = DDP(model, bucket_cap_mb=bucket_bytes_cap / 2**20)
-        if link.thread is not None:
-            self.model.register_comm_hook(link, delayed_allreduce_hook)
+        delayed = link.thread is not None
+        self.model = apply_ddp(model, next(model.parameters()).device,
+                               comm_hook=delayed_allreduce_hook if delayed else None,
+                               hook_state=link, bucket_cap_mb=bucket_bytes_cap / 2**20)
 
     def after_backward(self):
         pass  # DDP has averaged the gradients during backward
@@ -190,13 +190,6 @@ def batch(args, step, rank, device):
     return rank_batch(SHAPE, args.batch, args.seed, step, rank, device)
 
 
-def train_step(model, optimizer, ids, targets, after_backward=lambda: None):
-    next_token_loss(model(ids), targets).backward()
-    after_backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
 def reference_params(initial, args, env):
     """One process, the whole batch (all ranks' shards) at every step."""
     model = copy.deepcopy(initial)
@@ -211,34 +204,37 @@ def reference_params(initial, args, env):
 def run(args, env):
     torch.manual_seed(args.seed)
     initial = Transformer(SHAPE).to(env.device)
-    link = Link(env.world_size, args.comm_delay_ns_per_byte)
     cap = int(args.bucket_mb * 2**20)
-    runs = {}
-    for name in args.variants:
-        implementation = IMPLEMENTATIONS[name](copy.deepcopy(initial), link, cap)
-        optimizer = torch.optim.SGD(implementation.model.parameters(), lr=LEARNING_RATE)
-        runs[name] = (implementation, optimizer, [])
+    links = [Link(env.world_size, delay) for delay in args.comm_delay_ns_per_byte]
+    runs = {}   # (link index, variant) -> (implementation, optimizer, step times)
+    for index, link in enumerate(links):
+        for name in args.variants:
+            implementation = IMPLEMENTATIONS[name](copy.deepcopy(initial), link, cap)
+            optimizer = torch.optim.SGD(implementation.model.parameters(), lr=LEARNING_RATE)
+            runs[index, name] = (implementation, optimizer, [])
     for step in range(args.steps):
         ids, targets = batch(args, step, env.rank, env.device)
-        for name, (implementation, optimizer, times) in runs.items():
+        for implementation, optimizer, times in runs.values():
             elapsed = timing.timed(env.device, lambda: train_step(
                 implementation.model, optimizer, ids, targets, implementation.after_backward))
             if step >= args.warmup:
                 times.append(elapsed)
         env.progress(f"step {step + 1}/{args.steps}")
     env.progress("")
-    link.close()
+    for link in links:
+        link.close()
 
     reference = reference_params(initial, args, env)
-    variants = {}
-    for name, (implementation, _, times) in runs.items():
+    results = [{"comm_delay_ns_per_byte": link.ns_per_byte, "variants": {}} for link in links]
+    for (index, name), (implementation, _, times) in runs.items():
         median, low, high = timing.summary(times)
-        variants[name] = {"step_time_s": median, "step_time_spread_s": high - low,
-                          "max_param_diff": distenv.max_param_diff(
-                              implementation.model.parameters(), reference, env.device)}
+        results[index]["variants"][name] = {
+            "step_time_s": median, "step_time_spread_s": high - low,
+            "max_param_diff": distenv.max_param_diff(implementation.model.parameters(),
+                                                     reference, env.device)}
     params = list(initial.parameters())[::-1]
     sizes = [p.numel() * p.element_size() for p in params]
-    metrics = {"variants": variants, "param_bytes": sizes,
+    metrics = {"links": results, "param_bytes": sizes,
                "bucket_bytes": time_model.bucket_bytes(sizes, (cap, cap))}
 
     model = copy.deepcopy(initial)
@@ -250,35 +246,38 @@ def run(args, env):
     return metrics
 
 
+def delays(text):
+    """--comm-delay-ns-per-byte: comma-separated, each >= 0."""
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be numbers, got {text!r}") from None
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"cannot be negative, got {text}")
+    return values
+
+
 def parse_args(argv=None):
-    parser = distenv.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help=f"comma-separated, from {', '.join(VARIANTS)}")
-    parser.add_argument("--steps", type=int, default=STEPS, help="training steps per variant")
-    parser.add_argument("--warmup", type=int, default=WARMUP, help="first steps not timed")
-    parser.add_argument("--batch", type=int, default=BATCH, help="sequences per rank per step")
+    parser = distenv.lab_parser(__doc__)
+    parser.add_argument("--variants", type=distenv.choice_list(VARIANTS), default=list(VARIANTS),
+                        help=f"comma-separated, from {', '.join(VARIANTS)}; or all")
+    parser.add_argument("--steps", type=distenv.positive_int, default=STEPS,
+                        help="training steps per variant")
+    parser.add_argument("--warmup", type=distenv.at_least(0), default=WARMUP,
+                        help="first steps not timed")
+    parser.add_argument("--batch", type=distenv.positive_int, default=BATCH,
+                        help="sequences per rank per step")
     parser.add_argument("--bucket-mb", type=float, default=BUCKET_MB,
                         help="bucket cap in MiB (scratch buckets and DDP's bucket_cap_mb)")
-    parser.add_argument("--comm-delay-ns-per-byte", type=float, default=0.0,
-                        help="extra wait per byte a rank sends, in ns (1 = a 1 GB/s link)")
-    distenv.add_common_args(parser)
+    parser.add_argument("--comm-delay-ns-per-byte", type=delays, default=[0.0],
+                        help="extra wait per byte a rank sends, in ns (1 = a 1 GB/s link); "
+                             "a comma-separated list runs each")
     args = parser.parse_args(argv)
-    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [v for v in args.variants if v not in VARIANTS]
-    if unknown or not args.variants:
-        distenv.fail(f"--variants: unknown variant {unknown[0] if unknown else '(none)'!r}; "
-                     f"choose from {', '.join(VARIANTS)}")
-    if args.batch < 1:
-        distenv.fail(f"--batch must be at least 1, got {args.batch}")
-    if not 0 <= args.warmup < args.steps:
+    if args.warmup >= args.steps:
         distenv.fail(f"--warmup must be at least 0 and less than --steps ({args.steps}), "
                      f"got {args.warmup}")
     if args.bucket_mb <= 0:
         distenv.fail(f"--bucket-mb must be positive, got {args.bucket_mb:g}")
-    if args.comm_delay_ns_per_byte < 0:
-        distenv.fail(f"--comm-delay-ns-per-byte cannot be negative, got "
-                     f"{args.comm_delay_ns_per_byte:g}")
     return args
 
 
@@ -287,16 +286,18 @@ def main():
     with distenv.initialize(args) as env:
         metrics = run(args, env)
         env.print0(f"world size {env.world_size} ({env.backend}), "
-                   f"comm delay {args.comm_delay_ns_per_byte:g} ns/byte, "
                    f"{len(metrics['bucket_bytes'])} buckets of <= {args.bucket_mb:g} MiB")
-        env.print0(f"{'variant':>11} {'step ms':>9} {'IQR ms':>8} {'max |p - ref|':>14}")
-        for name, row in metrics["variants"].items():
-            env.print0(f"{name:>11} {row['step_time_s'] * 1e3:>9.2f} "
-                       f"{row['step_time_spread_s'] * 1e3:>8.2f} {row['max_param_diff']:>14.2e}")
+        for link in metrics["links"]:
+            env.print0(f"comm delay {link['comm_delay_ns_per_byte']:g} ns/byte:")
+            env.print0(f"{'variant':>11} {'step ms':>9} {'IQR ms':>8} {'max |p - ref|':>14}")
+            for name, row in link["variants"].items():
+                env.print0(f"{name:>11} {row['step_time_s'] * 1e3:>9.2f} "
+                           f"{row['step_time_spread_s'] * 1e3:>8.2f} "
+                           f"{row['max_param_diff']:>14.2e}")
         env.print0(f"compute alone: forward {metrics['forward_time_s'] * 1e3:.2f} ms, backward "
                    f"{metrics['backward_time_s'] * 1e3:.2f} ms, optimizer "
                    f"{metrics['optimizer_time_s'] * 1e3:.2f} ms")
-        env.write_result("mini_ddp", args, metrics)
+        env.write_result(args, metrics)
 
 
 if __name__ == "__main__":

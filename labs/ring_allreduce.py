@@ -7,8 +7,9 @@ full sum of chunk r+1. All-gather: N-1 more steps pass the summed chunks around 
 Each step is pipelined: a chunk travels as segments, and each received segment is added
 while the next ones are still on the wire.
 
-  --numel K       one correctness run on K random float32 elements, compared with
-                  dist.all_reduce on the same input; bytes sent counted and predicted
+  --numel LIST    correctness runs, one per length (e.g. 1,3,1000003), on random float32
+                  elements, compared with dist.all_reduce on the same input; bytes sent
+                  counted on every rank and predicted
   --sizes LIST    a timing sweep, e.g. 4K,64K,1M,16M (bytes; K/M/G = 2^10/2^20/2^30),
                   ring and dist.all_reduce alternating, --repeats timed runs per size
 
@@ -20,19 +21,16 @@ Launch lines (from the repository root):
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
              --rdzv-id=ring labs/ring_allreduce.py --sizes 1M,64M,1G --out ring.json
 
-JSON metrics: max_abs_err, bytes_sent_per_rank (counted on rank 0), predicted_bytes_per_rank,
-bytes_sent_by_rank, and with --sizes: sweep [{bytes, ring_time_s, library_time_s,
-ring_busbw_gbps, library_busbw_gbps, ...}], alpha_s, beta_bytes_per_s (fitted to the library).
+JSON metrics: correctness [{numel, max_abs_err, bytes_sent_per_rank (counted on rank 0),
+predicted_bytes_per_rank, bytes_sent_by_rank, predicted_bytes_by_rank}], one per --numel,
+and with --sizes: sweep [{bytes, ring_time_s, library_time_s, ring_busbw_gbps,
+library_busbw_gbps, ...}], alpha_s, beta_bytes_per_s (fitted to the library).
 """
-
-import argparse
 
 import torch
 import torch.distributed as dist
 
-import comm_model
-import distenv
-import timing
+from labkit import comm_model, distenv, timing
 
 # correctness run
 NUMEL = 1_000_003          # does not divide by any small N: unequal chunks by default
@@ -136,7 +134,7 @@ def ring_allreduce(tensor, segment_bytes=SEGMENT_BYTES):
 
 def check_correctness(env, numel, seed, segment_bytes):
     """Ring vs dist.all_reduce on the same random input; bytes counted on every rank."""
-    gen = torch.Generator().manual_seed(seed + env.rank)  # different data on every rank
+    gen = distenv.generator(seed, "data", numel, env.rank)  # different data on every rank
     data = torch.randn(numel, generator=gen).to(env.device)
     expected = data.clone()
     dist.all_reduce(expected)
@@ -190,24 +188,17 @@ def sweep(env, sizes, repeats, segment_bytes):
 
 
 def parse_args(argv=None):
-    parser = distenv.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--numel", type=int, default=NUMEL,
-                        help="elements of the correctness run (float32)")
+    parser = distenv.lab_parser(__doc__)
+    parser.add_argument("--numel", type=distenv.int_list(1), default=[NUMEL],
+                        help="elements of each correctness run (float32), comma-separated")
     parser.add_argument("--sizes", default=None,
                         help="comma-separated message sizes in bytes for the timing sweep, "
                              "K/M/G suffixes accepted (e.g. 4K,64K,1M,16M)")
-    parser.add_argument("--repeats", type=int, default=REPEATS, help="timed runs per size")
-    parser.add_argument("--segment-bytes", type=int, default=SEGMENT_BYTES,
-                        help="pipelining grain of the ring, in bytes")
-    distenv.add_common_args(parser)
+    parser.add_argument("--repeats", type=distenv.positive_int, default=REPEATS,
+                        help="timed runs per size")
+    parser.add_argument("--segment-bytes", type=distenv.at_least(ELEMENT_SIZE),
+                        default=SEGMENT_BYTES, help="pipelining grain of the ring, in bytes")
     args = parser.parse_args(argv)
-    if args.numel < 1:
-        distenv.fail(f"--numel must be at least 1, got {args.numel}")
-    if args.repeats < 1:
-        distenv.fail(f"--repeats must be at least 1, got {args.repeats}")
-    if args.segment_bytes < ELEMENT_SIZE:
-        distenv.fail(f"--segment-bytes must be at least {ELEMENT_SIZE}, got {args.segment_bytes}")
     if args.sizes is not None:
         try:
             args.sizes = [comm_model.parse_size(s) for s in args.sizes.split(",")]
@@ -222,11 +213,15 @@ def parse_args(argv=None):
 def main():
     args = parse_args()
     with distenv.initialize(args) as env:
-        metrics = check_correctness(env, args.numel, args.seed, args.segment_bytes)
-        env.print0(f"ring all-reduce of {args.numel} float32 at world size {env.world_size} "
-                   f"({env.backend}): max |ring - dist.all_reduce| = {metrics['max_abs_err']:.2e}, "
-                   f"rank 0 sent {metrics['bytes_sent_per_rank']} bytes "
-                   f"(predicted {metrics['predicted_bytes_per_rank']})")
+        metrics = {"correctness": []}
+        for numel in args.numel:
+            check = check_correctness(env, numel, args.seed, args.segment_bytes)
+            metrics["correctness"].append(check)
+            env.print0(f"ring all-reduce of {numel} float32 at world size {env.world_size} "
+                       f"({env.backend}): max |ring - dist.all_reduce| = "
+                       f"{check['max_abs_err']:.2e}, rank 0 sent "
+                       f"{check['bytes_sent_per_rank']} bytes (predicted "
+                       f"{check['predicted_bytes_per_rank']})")
         if args.sizes:
             rows = sweep(env, args.sizes, args.repeats, args.segment_bytes)
             metrics["sweep"] = rows
@@ -252,7 +247,7 @@ def main():
             if metrics["alpha_s"] is not None:
                 env.print0(f"alpha-beta fit to dist.all_reduce: alpha = {metrics['alpha_s'] * 1e6:.1f} us, "
                            f"beta = {metrics['beta_bytes_per_s'] / 1e9:.3f} GB/s")
-        env.write_result("ring_allreduce", args, metrics)
+        env.write_result(args, metrics)
 
 
 if __name__ == "__main__":

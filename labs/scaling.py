@@ -7,6 +7,8 @@ taken apart into compute and communication, and set against the step-time model.
                     backward, gradients reduce-scattered)
   --scaling strong  --batch sequences in all, split over the N ranks (N must divide it)
   --scaling weak    --batch sequences on every rank: the total grows with N
+Both options take a comma-separated list (or all): every combination runs in the same
+launch, one after another, and the link is fitted once for all of them.
 
 Measured, all ranks at once, each time the slowest rank's:
   step_time_s      median of --steps timed steps after --warmup (spread: the quartiles)
@@ -31,45 +33,32 @@ Launch lines (from the repository root):
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
              --rdzv-id=scaling labs/scaling.py --strategy ddp --scaling weak --out s16.json
 
-JSON: step_time_s, step_time_spread_s (upper minus lower quartile), step_time_quartiles_s,
-samples_per_s, compute_time_s (and forward_, backward_, optimizer_time_s), comm_time_s,
-predicted_step_time_s, predicted_comm_time_s, model_overlap, alpha_s, beta_bytes_per_s,
-collectives [{op, bytes}], batch_per_rank, global_batch, param_count.
+JSON: alpha_s, beta_bytes_per_s, param_count, and `runs`, one per (strategy, scaling):
+[{strategy, scaling, step_time_s, step_time_spread_s (upper minus lower quartile),
+step_time_quartiles_s, samples_per_s, compute_time_s (and forward_, backward_,
+optimizer_time_s), comm_time_s, predicted_step_time_s, predicted_comm_time_s,
+model_overlap, collectives [{op, bytes}], batch_per_rank, global_batch}].
 """
 
-import argparse
 import copy
 import statistics
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-import comm_model
-import distenv
-import memory_model
-import time_model
-import timing
-from transformer import Shape, Transformer, next_token_loss, random_batch
+from labkit import comm_model, distenv, memory_model, time_model, timing
+from labkit.strategies import SCALING_SHAPE as SHAPE
+from labkit.strategies import apply_ddp, apply_fsdp, rank_batch, train_step
+from labkit.transformer import Transformer, next_token_loss
 
-# model and data: the mini-DDP lab's model, 3.7 MB of fp32 gradients
-SHAPE = Shape(layers=4, hidden=128, heads=4, seq=64, vocab=512)
+STRATEGIES = ("ddp", "fsdp")
+SCALINGS = ("strong", "weak")
 BATCH = 16             # strong: sequences in all; weak: sequences per rank
 LEARNING_RATE = 0.1
 # timing
 STEPS = 10             # timed steps (also repeats of the compute and communication timings)
 WARMUP = 2             # untimed first steps: allocation, DDP's bucket rebuild, connections
 SWEEP_BYTES = (16 << 10, 256 << 10, 1 << 20, 4 << 20)  # all-reduce sizes for alpha-beta
-
-def wrap(model, strategy, env):
-    if strategy == "ddp":
-        device_ids = [env.device.index] if env.device.type == "cuda" else None
-        return DDP(model, device_ids=device_ids)
-    for unit in model.units():
-        fully_shard(unit)
-    return fully_shard(model)
-
 
 def collectives(model, strategy, world_size):
     """[(op, bytes)] one step issues, in order: DDP's bucket all-reduces, last layer first;
@@ -129,45 +118,38 @@ def predicted_comm(plan, world_size, alpha, beta):
             time_model.shard_collective_time(b, world_size, alpha, beta) for op, b in plan]
 
 
-def measure(args, env):
-    batch_per_rank = args.batch // env.world_size if args.scaling == "strong" else args.batch
+def measure(strategy, scaling, args, env, link):
+    """One (strategy, scaling) at this world size: the step, its parts, the model."""
+    batch_per_rank = args.batch // env.world_size if scaling == "strong" else args.batch
     torch.manual_seed(args.seed)
     model = Transformer(SHAPE).to(env.device)
     plain = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(args.seed * 1009 + env.rank)
-    ids, targets = random_batch(SHAPE, batch_per_rank, generator, env.device)
-    plan = collectives(model, args.strategy, env.world_size)
+    ids, targets = rank_batch(SHAPE, batch_per_rank, args.seed, 0, env.rank, env.device)
+    plan = collectives(model, strategy, env.world_size)
 
     # 1. the step itself
-    wrapped = wrap(model, args.strategy, env)
+    wrapped = apply_ddp(model, env.device) if strategy == "ddp" else apply_fsdp(model)
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=LEARNING_RATE)
-
-    def step():
-        next_token_loss(wrapped(ids), targets).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    steps = [timing.timed(env.device, step) for _ in range(args.warmup + args.steps)][args.warmup:]
+    steps = [timing.timed(env.device, lambda: train_step(wrapped, optimizer, ids, targets))
+             for _ in range(args.warmup + args.steps)][args.warmup:]
     median, low, high = timing.summary(steps)
-    env.progress("compute alone")
+    env.progress(f"{strategy}, {scaling}: compute alone")
     # 2. its parts alone: compute without communication, communication without compute
     compute = timing.compute_times(plain, torch.optim.SGD(plain.parameters(), lr=LEARNING_RATE),
                                    next_token_loss, ids, targets, env.device, args.steps)
-    env.progress("communication alone")
+    env.progress(f"{strategy}, {scaling}: communication alone")
     comm = time_collectives(plan, env, args.steps, args.warmup) if env.world_size > 1 else 0.0
-    alpha, beta = fit_link(env, args.steps)
     env.progress("")
 
     # 3. the model
-    overlap = args.strategy == "ddp" and env.device.type == "cuda"
-    comm_each = predicted_comm(plan, env.world_size, alpha, beta)
+    overlap = strategy == "ddp" and env.device.type == "cuda"
+    comm_each = predicted_comm(plan, env.world_size, *link)
     predicted = time_model.step_time(compute["forward_s"], compute["backward_s"],
                                      [b for _, b in plan], comm_each, overlap,
                                      compute["optimizer_s"])
     return {
-        "strategy": args.strategy, "scaling": args.scaling,
+        "strategy": strategy, "scaling": scaling,
         "batch_per_rank": batch_per_rank, "global_batch": batch_per_rank * env.world_size,
-        "param_count": sum(p.numel() for p in plain.parameters()),
         "step_time_s": median, "step_time_spread_s": high - low,
         "step_time_quartiles_s": [low, high],
         "samples_per_s": batch_per_rank * env.world_size / median,
@@ -177,45 +159,52 @@ def measure(args, env):
         "predicted_comm_time_s": sum(comm_each),
         "predicted_step_time_s": predicted,
         "model_overlap": overlap,
-        "alpha_s": alpha, "beta_bytes_per_s": beta,
         "collectives": [{"op": op, "bytes": b} for op, b in plan],
     }
 
 
 def parse_args(argv=None):
-    parser = distenv.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp")
-    parser.add_argument("--scaling", choices=["strong", "weak"], default="strong")
-    parser.add_argument("--batch", type=int, default=BATCH,
+    parser = distenv.lab_parser(__doc__)
+    parser.add_argument("--strategy", type=distenv.choice_list(STRATEGIES), default=["ddp"],
+                        help="ddp, fsdp, a comma-separated list, or all")
+    parser.add_argument("--scaling", type=distenv.choice_list(SCALINGS), default=["strong"],
+                        help="strong, weak, a comma-separated list, or all")
+    parser.add_argument("--batch", type=distenv.positive_int, default=BATCH,
                         help="strong: sequences per step in all; weak: sequences per rank")
-    parser.add_argument("--steps", type=int, default=STEPS, help="timed steps")
-    parser.add_argument("--warmup", type=int, default=WARMUP, help="untimed first steps")
-    distenv.add_common_args(parser)
-    args = parser.parse_args(argv)
-    if args.batch < 1:
-        distenv.fail(f"--batch must be at least 1, got {args.batch}")
-    if args.steps < 1 or args.warmup < 0:
-        distenv.fail(f"--steps must be at least 1 and --warmup at least 0, got "
-                     f"{args.steps} and {args.warmup}")
-    return args
+    parser.add_argument("--steps", type=distenv.positive_int, default=STEPS, help="timed steps")
+    parser.add_argument("--warmup", type=distenv.at_least(0), default=WARMUP,
+                        help="untimed first steps")
+    return parser.parse_args(argv)
 
 
 def main():
     args = parse_args()
     with distenv.initialize(args) as env:
-        if args.scaling == "strong" and args.batch % env.world_size:
+        if "strong" in args.scaling and args.batch % env.world_size:
             distenv.fail(f"strong scaling splits --batch {args.batch} over {env.world_size} "
                          f"ranks: it must be a multiple of the world size")
-        metrics = measure(args, env)
-        env.print0(f"{args.strategy}, {args.scaling} scaling, world size {env.world_size} "
-                   f"({env.backend}), {metrics['batch_per_rank']} sequences per rank")
-        env.print0(f"step {metrics['step_time_s'] * 1e3:.2f} ms (IQR "
-                   f"{metrics['step_time_spread_s'] * 1e3:.2f}), {metrics['samples_per_s']:.1f} "
-                   f"samples/s; compute alone {metrics['compute_time_s'] * 1e3:.2f} ms, "
-                   f"communication alone {metrics['comm_time_s'] * 1e3:.2f} ms; "
-                   f"predicted {metrics['predicted_step_time_s'] * 1e3:.2f} ms")
-        env.write_result("scaling", args, metrics)
+        link = fit_link(env, args.steps)
+        runs = []
+        for strategy in args.strategy:
+            for scaling in args.scaling:
+                if env.world_size == 1 and runs and runs[-1]["strategy"] == strategy:
+                    # one rank: strong and weak scaling are the same run, measured once
+                    run = dict(runs[-1], scaling=scaling)
+                else:
+                    run = measure(strategy, scaling, args, env, link)
+                runs.append(run)
+                env.print0(f"{strategy}, {scaling} scaling, world size {env.world_size} "
+                           f"({env.backend}), {run['batch_per_rank']} sequences per rank: "
+                           f"step {run['step_time_s'] * 1e3:.2f} ms (IQR "
+                           f"{run['step_time_spread_s'] * 1e3:.2f}), "
+                           f"{run['samples_per_s']:.1f} samples/s")
+                env.print0(f"  compute alone {run['compute_time_s'] * 1e3:.2f} ms, "
+                           f"communication alone {run['comm_time_s'] * 1e3:.2f} ms; "
+                           f"predicted {run['predicted_step_time_s'] * 1e3:.2f} ms")
+        env.write_result(args, {
+            "alpha_s": link[0], "beta_bytes_per_s": link[1],
+            "param_count": sum(p.numel() for p in Transformer(SHAPE).parameters()),
+            "runs": runs})
 
 
 if __name__ == "__main__":

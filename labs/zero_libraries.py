@@ -7,10 +7,11 @@ Accelerate, each trained beside torch DDP on the same data and checked against i
   --library accelerate        Accelerator().prepare(model, optimizer): DDP underneath (on
                               CPU Accelerate runs DDP over gloo; its FSDP needs GPUs)
 
-Every run uses the FSDP lab's model, data, SGD with momentum and fp32, so the only thing
-that differs from DDP is who moves the bytes: the final parameters must agree to rounding.
-Without a GPU, DeepSpeed is pointed at its CPU accelerator (DS_ACCELERATOR=cpu), which
-runs its collectives on gloo.
+Every run uses the FSDP lab's model, data, SGD with momentum and fp32 (strategies'
+FSDP_FAMILY), so the only thing that differs from DDP is who moves the bytes: the final
+parameters must agree to rounding. `--library all` (or a comma-separated list) trains each
+in turn in the same launch. Without a GPU, DeepSpeed is pointed at its CPU accelerator
+(DS_ACCELERATOR=cpu), which runs its collectives on gloo.
 
 Launch lines (from the repository root):
   laptop, gloo on CPU:  torchrun --standalone --nproc_per_node=2 labs/zero_libraries.py \\
@@ -21,23 +22,21 @@ Launch lines (from the repository root):
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
              --rdzv-id=zero labs/zero_libraries.py --library accelerate --out acc.json
 
-JSON: library, library_version, max_param_diff_vs_ddp, max_param_change (how far DDP's
-weights moved in training), local_param_numel (parameters rank 0 stores: about 1/N of
-param_count under ZeRO-3), param_count, steps, deepspeed_config (the DeepSpeed
-configuration used; null for Accelerate).
+JSON: param_count, steps, max_param_change (how far DDP's weights moved in training), and
+`libraries` {name: {library_version, max_param_diff_vs_ddp, local_param_numel (parameters
+rank 0 stores: about 1/N of param_count under ZeRO-3), deepspeed_config (the DeepSpeed
+configuration used; null for Accelerate)}}.
 """
 
-import argparse
 import copy
 import logging
 import os
 import warnings
 
-import torch
-
-import distenv
-import fsdp
-from transformer import Transformer, next_token_loss
+from labkit import distenv
+from labkit.strategies import FSDP_FAMILY as SETUP
+from labkit.strategies import apply_ddp, rank_batch, train_step
+from labkit.transformer import Transformer, next_token_loss
 
 LIBRARIES = ("deepspeed-zero2", "deepspeed-zero3", "accelerate")
 
@@ -49,10 +48,10 @@ warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_int
 def deepspeed_config(stage, world_size):
     """The smallest DeepSpeed configuration that trains like the DDP run beside it."""
     return {
-        "train_micro_batch_size_per_gpu": fsdp.BATCH,
-        "train_batch_size": fsdp.BATCH * world_size,   # no gradient accumulation
+        "train_micro_batch_size_per_gpu": SETUP.batch,
+        "train_batch_size": SETUP.batch * world_size,   # no gradient accumulation
         "optimizer": {"type": "SGD",
-                      "params": {"lr": fsdp.LEARNING_RATE, "momentum": fsdp.MOMENTUM}},
+                      "params": {"lr": SETUP.learning_rate, "momentum": SETUP.momentum}},
         "zero_optimization": {"stage": stage},
         "zero_allow_untested_optimizer": True,   # DeepSpeed vets Adam-like optimizers only
     }
@@ -91,8 +90,7 @@ class AccelerateRun:
     def __init__(self, model, env):
         import accelerate
         self.accelerator = accelerate.Accelerator(cpu=env.device.type == "cpu")
-        optimizer = torch.optim.SGD(model.parameters(), lr=fsdp.LEARNING_RATE,
-                                    momentum=fsdp.MOMENTUM)
+        optimizer = SETUP.optimizer(model.parameters())
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         self.config, self.version = None, accelerate.__version__
 
@@ -109,50 +107,53 @@ class AccelerateRun:
 
 
 def run(args, env):
-    initial = Transformer(fsdp.SHAPE).to(env.device)
-    ddp = fsdp.TorchDDP(copy.deepcopy(initial), env)
-    if args.library == "accelerate":
-        library = AccelerateRun(copy.deepcopy(initial), env)
-    else:
-        library = DeepSpeedRun(copy.deepcopy(initial), int(args.library[-1]), env)
-    for step in range(args.steps):
-        ids, targets = fsdp.batch(args, step, env.rank, env.device)
-        ddp.train_step(ids, targets)
-        library.train_step(ids, targets)
-    trained = list(ddp.model.module.parameters())
-    return {"library": args.library,
+    initial = Transformer(SETUP.shape).to(env.device)
+    batches = [rank_batch(SETUP.shape, SETUP.batch, args.seed, step, env.rank, env.device)
+               for step in range(args.steps)]
+    # the reference: torch DDP on the same batches
+    ddp = apply_ddp(copy.deepcopy(initial), env.device)
+    ddp_optimizer = SETUP.optimizer(ddp.parameters())
+    for ids, targets in batches:
+        train_step(ddp, ddp_optimizer, ids, targets)
+    trained = list(ddp.module.parameters())
+    results = {}
+    for name in args.library:
+        if name == "accelerate":
+            library = AccelerateRun(copy.deepcopy(initial), env)
+        else:
+            library = DeepSpeedRun(copy.deepcopy(initial), int(name[-1]), env)
+        for ids, targets in batches:
+            library.train_step(ids, targets)
+        results[name] = {
             "library_version": library.version,
-            "max_param_diff_vs_ddp": distenv.max_param_diff(library.full_parameters(), trained,
-                                                            env.device),
-            # how far training moved the weights: the difference above is small beside it
+            "max_param_diff_vs_ddp": distenv.max_param_diff(library.full_parameters(),
+                                                            trained, env.device),
+            "local_param_numel": library.local_param_numel(),
+            "deepspeed_config": library.config}
+        env.print0(f"{name} {library.version} at world size {env.world_size} "
+                   f"({env.backend}), {args.steps} steps: max |p - DDP| = "
+                   f"{results[name]['max_param_diff_vs_ddp']:.2e}")
+    return {"param_count": sum(p.numel() for p in initial.parameters()),
+            "steps": args.steps,
+            # how far training moved the weights: the differences above are small beside it
             "max_param_change": distenv.max_param_diff(trained, list(initial.parameters()),
                                                        env.device),
-            "local_param_numel": library.local_param_numel(),
-            "param_count": sum(p.numel() for p in initial.parameters()),
-            "steps": args.steps,
-            "deepspeed_config": library.config}
+            "libraries": results}
 
 
 def parse_args(argv=None):
-    parser = distenv.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--library", choices=LIBRARIES, required=True)
-    parser.add_argument("--steps", type=int, default=fsdp.STEPS, help="training steps")
-    distenv.add_common_args(parser)
-    args = parser.parse_args(argv)
-    if args.steps < 1:
-        distenv.fail(f"--steps must be at least 1, got {args.steps}")
-    return args
+    parser = distenv.lab_parser(__doc__)
+    parser.add_argument("--library", type=distenv.choice_list(LIBRARIES), required=True,
+                        help=f"comma-separated, from {', '.join(LIBRARIES)}; or all")
+    parser.add_argument("--steps", type=distenv.positive_int, default=SETUP.steps,
+                        help="training steps")
+    return parser.parse_args(argv)
 
 
 def main():
     args = parse_args()
     with distenv.initialize(args) as env:
-        metrics = run(args, env)
-        env.print0(f"{args.library} {metrics['library_version']} at world size "
-                   f"{env.world_size} ({env.backend}), {args.steps} steps: max |p - DDP| = "
-                   f"{metrics['max_param_diff_vs_ddp']:.2e}")
-        env.write_result("zero_libraries", args, metrics)
+        env.write_result(args, run(args, env))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,11 @@
-"""Shared test set-up: the labs folder on the path, and a helper to run a lab as a plain script."""
+"""Shared test set-up: the labs folder on the path, a lab run as a plain script, and the
+checks of the lab contract's one-line errors.
+
+The book's chapters run most labs at the world sizes they show and assert their exact
+results in hidden cells; `make test` builds the book after these tests. The tests here
+cover what the book does not run: other world sizes (odd ones among them), bad input,
+missing peers and failure paths.
+"""
 
 import os
 import subprocess
@@ -23,6 +30,16 @@ def assert_fails_with_one_line(done, words):
     assert done.returncode != 0
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and words in lines[0], done.stderr
+
+
+def assert_refused(parse_args, argv, words):
+    """The lab's parser refuses `argv` with one line containing `words`. In-process: the
+    same code path as on the command line, without starting Python again (each lab's
+    tests also check one refusal end to end with assert_fails_with_one_line)."""
+    with pytest.raises(SystemExit) as error:
+        parse_args([str(a) for a in argv])
+    message = str(error.value)
+    assert "\n" not in message and words in message, message
 
 
 @pytest.fixture

@@ -1,10 +1,12 @@
 """Communication cost models, checked by hand-computed cases."""
 
 import math
+from fractions import Fraction
 
 import pytest
+import torch
 
-import comm_model
+from labkit import comm_model
 
 
 def test_chunks_cover_the_tensor_and_differ_by_at_most_one():
@@ -101,3 +103,26 @@ def test_ring_and_tree_times_cross_where_the_formula_says():
     assert ring == pytest.approx(tree)
     assert comm_model.allreduce_time(crossover * 2, n, alpha, beta) < \
         comm_model.tree_allreduce_time(crossover * 2, n, alpha, beta)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7])
+def test_data_parallel_bytes_by_hand(n):
+    # DDP: one all-reduce, 2(N-1)/N x 4 psi; ZeRO-3: two all-gathers and a reduce-scatter
+    # of the padded count, 3(N-1)/N x 4 psi'. Exact fractions, whatever N.
+    psi = 1009   # prime: no N above divides it
+    assert comm_model.data_parallel_bytes_per_rank("ddp", psi, n) == Fraction(2 * (n - 1) * 4 * psi, n)
+    assert comm_model.data_parallel_bytes_per_rank("zero3", psi, n) == Fraction(3 * (n - 1) * 4 * psi, n)
+    assert comm_model.data_parallel_bytes_per_rank("ddp", psi, n, value_bytes=2) == Fraction(
+        2 * (n - 1) * 2 * psi, n)
+
+
+def test_the_counter_adds_what_each_collective_sends():
+    counter = comm_model.CollectiveCounter(world_size=4)
+    counter.add("all_gather", torch.empty(10))          # 40 bytes: 3/4 of it = 30
+    counter.add("all_gather", torch.empty(2, 5))
+    counter.add("reduce_scatter", torch.empty(3, dtype=torch.float64))   # 24 bytes: 18
+    counter.add("all_reduce", torch.empty(1))            # 4 bytes: 2 x 3/4 x 4 = 6
+    assert counter.counts == {"all_gather": 2, "reduce_scatter": 1, "all_reduce": 1}
+    assert counter.sent == 30 + 30 + 18 + 6
+    counter.reset()
+    assert counter.sent == 0 and counter.counts == {}

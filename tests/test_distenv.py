@@ -1,14 +1,17 @@
-"""The shared process-group module: backend choice, metadata, timeouts, the launcher."""
+"""The lab contract (labkit.distenv) and the launcher: backend choice, parser types, seeds,
+timeouts, one-line errors."""
 
 import json
 import socket
+from pathlib import Path
 
 import pytest
+import torch
+import yaml
 
-import distenv
 from conftest import assert_fails_with_one_line
-import launch
-from launch import LabError, reader_command, run_lab
+from labkit import distenv, launch
+from labkit.launch import LabError, reader_command, run_lab
 
 
 @pytest.mark.parametrize("requested, local_ranks, gpus, backend", [
@@ -39,21 +42,10 @@ def test_reader_command_is_what_a_reader_types():
         "torchrun --standalone --nproc_per_node=4 labs/grad_averaging.py --steps 5"
 
 
-def test_launcher_returns_json_with_metadata():
-    result = run_lab("grad_averaging", 2, ["--steps", 2], echo=False)
-    for field in ("lab", "world_size", "backend", "device", "hardware", "torch_version",
-                  "created", "args"):
-        assert field in result, field
-    assert result["lab"] == "grad_averaging"
-    assert result["world_size"] == 2
-    assert result["backend"] == "gloo" and result["device"] == "cpu"
-    assert result["args"]["steps"] == 2
-
-
 def test_launcher_raises_with_the_labs_own_error():
-    # --samples 5 cannot hold one global batch at N = 3: every rank exits with that line
+    # --samples 5 cannot hold one global batch at N = 2: every rank exits with that line
     with pytest.raises(LabError) as error:
-        run_lab("grad_averaging", 3, ["--samples", 5], echo=False)
+        run_lab("grad_averaging", 2, ["--samples", 5], echo=False)
     assert error.value.returncode != 0
     assert "--samples 5 is smaller than one global batch" in str(error.value)
 
@@ -96,3 +88,40 @@ def test_the_labs_error_survives_a_long_torchrun_report():
     heading = message.split("Its output")[0]
     assert heading.count("fsdp: error: --steps must be at least 1") == 1
     assert "ChildFailedError" not in heading
+
+
+def test_the_launcher_gives_up_before_the_books_cell_does():
+    """A stuck lab must fail its cell with the launcher's message, which names the lab and
+    shows its output, not with the kernel's bare timeout: the launcher's limit sits below
+    the cell timeout in _config.yml, and above the labs' own collective timeout."""
+    config = yaml.safe_load((Path(launch.REPO_DIR) / "_config.yml").read_text())
+    cell_timeout = config["execute"]["timeout"]
+    assert distenv.DEFAULT_TIMEOUT_S < launch.LAUNCH_TIMEOUT_S < cell_timeout
+
+
+def test_positive_int_names_the_option_in_its_one_line_error():
+    parser = distenv.lab_parser("A lab.\n\nLaunch lines: ...")
+    parser.add_argument("--steps", type=distenv.positive_int, default=1)
+    parser.add_argument("--sizes", type=distenv.int_list(2), default=[2])
+    parser.add_argument("--kinds", type=distenv.choice_list(("a", "b")), default=["a"])
+    assert parser.parse_args(["--steps", "3", "--sizes", "2,5", "--kinds", "all"]).kinds == ["a", "b"]
+    for argv, words in ((["--steps", "0"], "--steps must be at least 1, got 0"),
+                        (["--steps", "x"], "--steps must be a whole number"),
+                        (["--sizes", "2,1"], "--sizes must be at least 2, got 1"),
+                        (["--kinds", "a,c"], "invalid choice: 'c'")):
+        with pytest.raises(SystemExit) as error:
+            parser.parse_args(argv)
+        assert words in str(error.value) and "\n" not in str(error.value)
+    assert "Launch lines" in parser.format_help()    # the docstring's rest, after the options
+
+
+def test_one_rule_derives_every_seed():
+    assert distenv.derived_seed(0, "batch", 3, 1) == distenv.derived_seed(0, "batch", 3, 1)
+    seeds = {distenv.derived_seed(seed, "batch", step, rank)
+             for seed in range(3) for step in range(50) for rank in range(50)}
+    assert len(seeds) == 3 * 50 * 50                 # no two (seed, step, rank) share one
+    # seed + rank would give (step 1, rank 0) and (step 0, rank 1) the same stream
+    assert distenv.derived_seed(0, 1, 0) != distenv.derived_seed(0, 0, 1)
+    assert all(0 <= s < 2 ** 63 for s in seeds)
+    a, b = distenv.generator(7, "x"), distenv.generator(7, "x")
+    assert torch.equal(torch.randn(4, generator=a), torch.randn(4, generator=b))

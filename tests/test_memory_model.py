@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-import memory_model
-from transformer import Shape, Transformer
+from labkit import memory_model
+from labkit.strategies import FSDP_FAMILY
+from labkit.transformer import Shape, Transformer
 
 GB = 1e9
 
@@ -133,3 +134,45 @@ def test_formula_is_exact_where_the_layout_divides_evenly():
     assert not memory_model.formula_is_exact("zero3", 128, [192, 768])
     assert memory_model.formula_is_exact("zero1", 1, [5])
     assert not memory_model.formula_is_exact("zero1", 2, [4, 4])
+
+
+def test_padded_numel_rounds_up_to_equal_shards():
+    for numel in (1, 7, 96, 1009):
+        for n in (1, 2, 3, 4, 64):
+            padded = memory_model.padded_numel(numel, n)
+            assert padded % n == 0 and 0 <= padded - numel < n
+
+
+FSDP_UNITS = [sum(p.numel() for p in unit.parameters())
+              for unit in Transformer(FSDP_FAMILY.shape).units()]
+
+
+def test_the_fsdp_labs_model_pads_at_3_and_4_only():
+    # The FSDP lab's shape is chosen so that sharding pads its units at N = 3 and 4 (the
+    # world sizes its chapter and tests run) and not at N = 1 and 2.
+    for n in (1, 2, 3, 4):
+        padded = sum(memory_model.padded_numel(u, n) for u in FSDP_UNITS)
+        assert (padded > sum(FSDP_UNITS)) == (n in (3, 4)), n
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_step_timeline_by_hand(n):
+    b = 4
+    padded = [memory_model.padded_numel(u, n) for u in FSDP_UNITS]
+    units = len(FSDP_UNITS)
+    ddp = memory_model.step_timeline("ddp", FSDP_UNITS, n, b)
+    zero3 = memory_model.step_timeline("zero3", FSDP_UNITS, n, b)
+    assert len(ddp) == len(zero3) == 4 * units   # start and end, forward and backward
+    assert [(e["phase"], e["unit"]) for e in zero3[:2]] == [("forward", 0)] * 2
+    assert [(e["phase"], e["unit"]) for e in zero3[-2:]] == [("backward", 0)] * 2
+    # DDP holds every parameter and gradient all along
+    assert memory_model.timeline_peak(ddp) == 8 * sum(FSDP_UNITS)
+    assert all(e["param_bytes"] == e["grad_bytes"] == 4 * sum(FSDP_UNITS) for e in ddp)
+    # ZeRO-3: its shards of both, plus the largest unit twice (parameters and flat
+    # gradient) at the start of its backward; back to the shards at every end
+    shards = b * sum(padded) // n
+    assert memory_model.timeline_peak(zero3) == 2 * shards + 8 * max(padded)
+    assert all(e["param_bytes"] == e["grad_bytes"] == shards
+               for e in zero3 if e["point"] == "end")
+    with pytest.raises(ValueError):
+        memory_model.step_timeline("zero2", FSDP_UNITS, n)

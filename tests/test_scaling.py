@@ -1,58 +1,75 @@
-"""The scaling lab: its JSON at world sizes 1 and 2 for DDP and FSDP, strong and weak,
-and its model's prediction rebuilt from the parts it reports."""
+"""The scaling lab: the step measured and taken apart, and its model's prediction rebuilt
+from the parts it reports, for DDP and FSDP, strong and weak. The chapter runs N = 1, 2 and
+4; here N = 1 and the odd N = 3, the collectives of a step, and bad input."""
 
 import pytest
 
-import comm_model
-import memory_model
-import time_model
-from conftest import assert_fails_with_one_line
-from launch import LabError, run_lab
-from transformer import Transformer
 import scaling
+from conftest import assert_fails_with_one_line, assert_refused
+from labkit import comm_model, memory_model, time_model
+from labkit.launch import LabError, run_lab
+from labkit.transformer import Transformer
 
 FAST = ["--steps", 3, "--warmup", 1]
 FIELDS = ("step_time_s", "step_time_spread_s", "samples_per_s", "compute_time_s",
           "comm_time_s", "predicted_step_time_s")
 
 
-def rebuilt_prediction(result):
+def rebuilt_prediction(run, result):
     """predicted_step_time_s from the parts the JSON reports: the model, recomputed."""
-    n, plan = result["world_size"], result["collectives"]
+    n, plan = result["world_size"], run["collectives"]
     if n == 1:
         comm = [0.0] * len(plan)
     else:
         a, b = result["alpha_s"], result["beta_bytes_per_s"]
         comm = [comm_model.allreduce_time(c["bytes"], n, a, b) if c["op"] == "all_reduce"
                 else time_model.shard_collective_time(c["bytes"], n, a, b) for c in plan]
-    return time_model.step_time(result["forward_time_s"], result["backward_time_s"],
-                                [c["bytes"] for c in plan], comm, result["model_overlap"],
-                                result["optimizer_time_s"])
+    return time_model.step_time(run["forward_time_s"], run["backward_time_s"],
+                                [c["bytes"] for c in plan], comm, run["model_overlap"],
+                                run["optimizer_time_s"])
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-@pytest.mark.parametrize("nproc, scaling_kind, batch_per_rank", [
-    (1, "strong", 4), (2, "strong", 2), (2, "weak", 4)])
-def test_json_fields(strategy, nproc, scaling_kind, batch_per_rank):
-    result = run_lab("scaling", nproc, ["--strategy", strategy, "--scaling", scaling_kind,
-                                        "--batch", 4, *FAST], echo=False)
-    assert all(isinstance(result[f], float) and result[f] >= 0 for f in FIELDS)
-    assert result["step_time_s"] > 0 and result["compute_time_s"] > 0
-    assert result["batch_per_rank"] == batch_per_rank
-    assert result["global_batch"] == batch_per_rank * nproc
-    assert result["samples_per_s"] == pytest.approx(result["global_batch"] / result["step_time_s"])
-    parts = result["forward_time_s"] + result["backward_time_s"] + result["optimizer_time_s"]
-    assert result["compute_time_s"] == pytest.approx(parts)
-    assert result["predicted_step_time_s"] == pytest.approx(rebuilt_prediction(result))
-    low, high = result["step_time_quartiles_s"]
-    assert low <= result["step_time_s"] <= high
-    assert result["step_time_spread_s"] == pytest.approx(high - low)
-    if nproc == 1:
-        assert result["comm_time_s"] == 0 and result["alpha_s"] is None
-        assert result["predicted_step_time_s"] == pytest.approx(result["compute_time_s"])
-    else:
-        assert result["comm_time_s"] > 0 and result["beta_bytes_per_s"] > 0
-        assert result["predicted_step_time_s"] > result["compute_time_s"]
+def check_invariants(result):
+    """What every run of the lab must report, whatever the machine's speed."""
+    n = result["world_size"]
+    for run in result["runs"]:
+        assert all(isinstance(run[f], float) and run[f] >= 0 for f in FIELDS)
+        assert run["step_time_s"] > 0 and run["compute_time_s"] > 0
+        assert run["global_batch"] == run["batch_per_rank"] * n
+        assert run["samples_per_s"] == pytest.approx(run["global_batch"] / run["step_time_s"])
+        parts = run["forward_time_s"] + run["backward_time_s"] + run["optimizer_time_s"]
+        assert run["compute_time_s"] == pytest.approx(parts)
+        assert run["predicted_step_time_s"] == pytest.approx(rebuilt_prediction(run, result))
+        low, high = run["step_time_quartiles_s"]
+        assert low <= run["step_time_s"] <= high
+        assert run["step_time_spread_s"] == pytest.approx(high - low)
+        if n == 1:
+            assert run["comm_time_s"] == 0 and result["alpha_s"] is None
+            assert run["predicted_step_time_s"] == pytest.approx(run["compute_time_s"])
+        else:
+            assert run["comm_time_s"] > 0 and result["beta_bytes_per_s"] > 0
+            assert run["predicted_step_time_s"] > run["compute_time_s"]
+
+
+def test_an_odd_world_reports_every_run_and_its_model():
+    result = run_lab("scaling", 3, ["--strategy", "all", "--scaling", "all", "--batch", 6,
+                                    *FAST], echo=False)
+    assert [(r["strategy"], r["scaling"]) for r in result["runs"]] == [
+        ("ddp", "strong"), ("ddp", "weak"), ("fsdp", "strong"), ("fsdp", "weak")]
+    check_invariants(result)
+    assert [r["batch_per_rank"] for r in result["runs"]] == [2, 6, 2, 6]
+
+
+def test_one_rank_measures_strong_and_weak_once():
+    result = run_lab("scaling", None, ["--strategy", "all", "--scaling", "all", "--batch", 4,
+                                       *FAST], echo=False)
+    runs = result["runs"]
+    assert [(r["strategy"], r["scaling"]) for r in runs] == [
+        ("ddp", "strong"), ("ddp", "weak"), ("fsdp", "strong"), ("fsdp", "weak")]
+    for strong, weak in (runs[:2], runs[2:]):
+        assert strong["step_time_s"] == weak["step_time_s"]   # one rank: the same run
+        assert strong["batch_per_rank"] == weak["batch_per_rank"] == 4
+    check_invariants(result)
 
 
 def test_collectives_are_the_steps_own():
@@ -79,6 +96,12 @@ def test_strong_scaling_needs_a_batch_that_divides():
     (["--strategy", "zero"], "invalid choice: 'zero'"),
     (["--scaling", "linear"], "invalid choice: 'linear'"),
     (["--batch", 0], "--batch must be at least 1"),
+    (["--steps", 0], "--steps must be at least 1"),
+    (["--warmup", -1], "--warmup must be at least 0"),
 ])
-def test_bad_input_fails_with_one_line(script, args, words):
-    assert_fails_with_one_line(script("scaling", *args), words)
+def test_bad_input_is_refused_in_one_line(args, words):
+    assert_refused(scaling.parse_args, args, words)
+
+
+def test_bad_input_exits_with_one_clear_line(script):
+    assert_fails_with_one_line(script("scaling", "--strategy", "zero"), "invalid choice: 'zero'")

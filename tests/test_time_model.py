@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import time_model
+from labkit import time_model
 
 
 def test_speedup_and_efficiencies():

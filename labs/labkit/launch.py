@@ -1,6 +1,6 @@
 """Run a lab under torchrun from a notebook or a test, and get its results back.
 
-    from launch import run_lab
+    from labkit.launch import run_lab
     result = run_lab("grad_averaging", nproc=4, args=["--steps", 30])
 
 It runs `python -m torch.distributed.run --standalone --nproc_per_node=N labs/<lab>.py ...`
@@ -22,9 +22,14 @@ import tempfile
 import threading
 from pathlib import Path
 
-LABS_DIR = Path(__file__).resolve().parent
+LABS_DIR = Path(__file__).resolve().parent.parent   # labs/, where the lab scripts are
 REPO_DIR = LABS_DIR.parent
 ERROR_TAIL_LINES = 60  # how much of a failing lab's output goes into the exception
+# A lab still running after this long is killed, and its output so far goes into the error.
+# It sits below the book's cell timeout (_config.yml, execute.timeout), so that a stuck lab
+# fails its cell with this message rather than with the kernel's bare timeout, and above
+# the labs' own --timeout, so that a missing peer is reported by the lab itself first.
+LAUNCH_TIMEOUT_S = 300
 
 
 class LabError(RuntimeError):
@@ -45,11 +50,13 @@ def reader_command(lab, nproc, args=()):
     return shlex.join(words)
 
 
-def run_lab(lab, nproc=1, args=(), *, timeout=900, echo=True):
+def run_lab(lab, nproc=1, args=(), *, timeout=LAUNCH_TIMEOUT_S, echo=True):
     """Launch `labs/<lab>.py` on `nproc` local processes; return its parsed JSON result.
 
     nproc=None runs `python labs/<lab>.py` as one process without torchrun, for what a
     lab does in one process alone (the memory lab's --simulate-world-size).
+    echo=True prints the reader's command and the lab's output as it comes; "command"
+    the command alone; False nothing (the output still goes into a failure's message).
     """
     script = LABS_DIR / f"{lab}.py"
     if not script.is_file():
@@ -57,6 +64,7 @@ def run_lab(lab, nproc=1, args=(), *, timeout=900, echo=True):
     args = [str(a) for a in args]
     if echo:
         print("$ " + reader_command(lab, nproc, args), flush=True)
+    echo = echo is True   # from here on: whether to stream the lab's output
 
     with tempfile.TemporaryDirectory(prefix=f"{lab}-") as tmp:
         out = Path(tmp) / f"{lab}.json"

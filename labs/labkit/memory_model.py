@@ -118,6 +118,49 @@ def activation_bytes(layers, seq, batch, hidden, heads, vocab, value_bytes=2, dr
     return kept + head, kept + max(one_layer, head)
 
 
+# Sharding in units: ZeRO-3 over flat buffers, and the memory one step goes through.
+
+def padded_numel(numel, world_size):
+    """A unit's flat size rounded up to a multiple of N: N equal shards, the last padded."""
+    return math.ceil(numel / world_size) * world_size
+
+
+def step_timeline(strategy, unit_numels, world_size, value_bytes=4):
+    """Live parameter and gradient bytes on each rank at the start and end of every unit's
+    forward (units in order) and backward (units in reverse), one training step.
+
+    ddp    every parameter and gradient, all the time (gradients as views of the buckets)
+    zero3  its shards of both (padded flat units, 1/N each), plus the one unit it works
+           on: gathered parameters during forward, gathered parameters and the unit's
+           flat gradient during backward; each unit freed again at its end.
+    Returns [{phase, unit, point, param_bytes, grad_bytes}].
+    """
+    b, n = value_bytes, world_size
+    padded = [padded_numel(numel, n) for numel in unit_numels]
+    units = range(len(unit_numels))
+    order = [("forward", i, point) for i in units for point in ("start", "end")]
+    order += [("backward", i, point) for i in reversed(units) for point in ("start", "end")]
+    events = []
+    for phase, i, point in order:
+        if strategy == "ddp":
+            params = grads = b * sum(unit_numels)
+        elif strategy == "zero3":
+            params = grads = b * sum(padded) // n
+            if point == "start":
+                params += b * padded[i]
+                grads += b * padded[i] if phase == "backward" else 0
+        else:
+            raise ValueError(f"no timeline for strategy {strategy!r}; choose ddp or zero3")
+        events.append({"phase": phase, "unit": i, "point": point,
+                       "param_bytes": params, "grad_bytes": grads})
+    return events
+
+
+def timeline_peak(events):
+    """The largest parameters + gradients of a step_timeline (or a measured one)."""
+    return max(event["param_bytes"] + event["grad_bytes"] for event in events)
+
+
 # The exact layouts of torch's implementations: what rank r really holds.
 
 def fsdp2_shard_numel(shape, world_size, rank):

@@ -5,7 +5,7 @@ Pure functions, no process group: the scaling chapter computes its predictions w
 the labs use them for the same numbers, and the tests check them against hand arithmetic.
 """
 
-import comm_model
+from . import comm_model
 
 # DDP's bucket caps: the first bucket closes at 1 MiB, so that the first all-reduce starts
 # early in the backward pass; the rest at bucket_cap_mb (25 MiB by default).

@@ -112,9 +112,3 @@ def random_batch(shape, batch, generator, device):
     ids = ids.to(device)
     return ids[:, :-1], ids[:, 1:]
 
-
-def rank_batch(shape, batch, seed, step, rank, device):
-    """The batch rank `rank` trains on at `step`: the same in every run and every
-    implementation, whatever N is, so runs can be compared step by step."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
-    return random_batch(shape, batch, generator, device)

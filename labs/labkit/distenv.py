@@ -1,13 +1,13 @@
-"""Process-group setup shared by every lab: the lab contract in one place.
+"""The lab contract in one place: parser, common options, process group, seeds, results.
 
 A lab uses it like this:
 
-    parser = distenv.ArgumentParser(description=__doc__)
-    distenv.add_common_args(parser)              # --backend --out --seed --timeout
+    parser = distenv.lab_parser(__doc__)         # --backend --out --seed --timeout added
+    parser.add_argument("--steps", type=distenv.positive_int, default=STEPS)
     args = parser.parse_args()
     with distenv.initialize(args) as env:        # process group up, device chosen
         metrics = ...                            # the lab's own work
-        env.write_result("my_lab", args, metrics)  # rank 0 only, atomically
+        env.write_result(args, metrics)          # rank 0 only, atomically
 
 It works the same under `torchrun` (any number of processes and nodes) and under plain
 `python labs/<lab>.py` (a world of one, no port needed).
@@ -18,9 +18,11 @@ import contextlib
 import dataclasses
 import datetime
 import gc
+import hashlib
 import json
 import os
 import platform
+import re
 import sys
 from pathlib import Path
 
@@ -41,17 +43,97 @@ class LabInputError(SystemExit):
     """Bad input: the process exits non-zero with one clear line on stderr."""
 
 
+def lab_name():
+    """The running lab's name: its script's file name, `labs/<name>.py`."""
+    return Path(sys.argv[0]).stem or "lab"
+
+
 def fail(message):
     """Exit with one line, `<lab>: error: <message>`, and a non-zero status."""
-    lab = Path(sys.argv[0]).stem or "lab"
-    raise LabInputError(f"{lab}: error: {message}")
+    raise LabInputError(f"{lab_name()}: error: {message}")
 
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse that reports bad input as one line, `<lab>: error: ...`, without usage."""
 
     def error(self, message):
-        fail(message)
+        # A value refused by one of the types below reads "--steps must be at least 1, got
+        # 0", not argparse's "argument --steps: must be ...".
+        fail(re.sub(r"^argument (\S+): (must be |cannot be )", r"\1 \2", message))
+
+
+def lab_parser(docstring, common=True):
+    """A lab's parser, made from its docstring: the first paragraph is the description,
+    the rest (what it measures, its launch lines, its JSON) follows the options in
+    --help. With `common`, the options every lab has are added too."""
+    description, _, details = docstring.strip().partition("\n\n")
+    parser = ArgumentParser(description=description, epilog=details or None,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    if common:
+        add_common_args(parser)
+    return parser
+
+
+def at_least(minimum):
+    """An argparse type: a whole number >= minimum, or a one-line error naming the option."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+positive_int = at_least(1)
+
+
+def int_list(minimum=1):
+    """An argparse type: comma-separated whole numbers, each >= minimum ("2,3,4")."""
+    one = at_least(minimum)
+
+    def parse(text):
+        values = [one(part) for part in text.split(",") if part.strip()]
+        if not values:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got nothing")
+        return values
+    parse.__name__ = "list of integers"
+    return parse
+
+
+def choice_list(choices):
+    """An argparse type: comma-separated names from `choices`, or "all" for every one."""
+    def parse(text):
+        if text == "all":
+            return list(choices)
+        names = [name.strip() for name in text.split(",") if name.strip()]
+        unknown = [name for name in names if name not in choices]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(
+                f"invalid choice: {unknown[0] if unknown else '(none)'!r} (choose from "
+                f"{', '.join(choices)}, or all)")
+        return names
+    parse.__name__ = "list of names"
+    return parse
+
+
+def derived_seed(seed, *keys):
+    """The one rule for every seed a lab derives from --seed: a hash of (seed, *keys).
+
+    Keys say what the seed is for, e.g. ("batch", step, rank): every (step, rank) gets its
+    own stream, the same in every run and every implementation, whatever N is, and no
+    two purposes share one by accident (as seed + rank and seed + step would).
+    """
+    digest = hashlib.sha256(repr((seed, *keys)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1   # 63 bits: any torch seed
+
+
+def generator(seed, *keys):
+    """A CPU torch.Generator seeded with derived_seed(seed, *keys)."""
+    return torch.Generator().manual_seed(derived_seed(seed, *keys))
 
 
 def add_common_args(parser):
@@ -113,6 +195,7 @@ class DistEnv:
     backend: str
     device: torch.device
     simulated: bool = False  # rank 0 of a fake process group; the other ranks do not exist
+    lab: str = dataclasses.field(default_factory=lab_name)
 
     @property
     def is_rank0(self):
@@ -129,11 +212,11 @@ class DistEnv:
         if self.is_rank0 and sys.stderr.isatty():
             print(f"\r\033[K{message}", end="", file=sys.stderr, flush=True)
 
-    def metadata(self, lab, args):
+    def metadata(self, args):
         """The fields every result JSON carries (the lab contract)."""
         nccl = torch.cuda.nccl.version() if self.backend == "nccl" else None
         return {
-            "lab": lab,
+            "lab": self.lab,
             "world_size": self.world_size,
             "local_world_size": self.local_world_size,
             "num_nodes": None if self.simulated else self.world_size // self.local_world_size,
@@ -148,11 +231,11 @@ class DistEnv:
             "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         }
 
-    def write_result(self, lab, args, metrics):
+    def write_result(self, args, metrics):
         """On rank 0: metadata + metrics, written to --out atomically. Returns the dict."""
         if not self.is_rank0:
             return None
-        result = {**self.metadata(lab, args), **metrics}
+        result = {**self.metadata(args), **metrics}
         if args.out is not None:
             out = Path(args.out)
             out.parent.mkdir(parents=True, exist_ok=True)

@@ -2,10 +2,12 @@
 and the alpha-beta time model with its fit to measured times.
 
 Pure functions, no process group: the chapters compute predictions with them, the labs use
-them for the same split, and the tests check them by hand.
+them for the same split, and the tests check them by hand. CollectiveCounter adds up, with
+the same formulas, the collectives a lab really issues.
 """
 
 import math
+from fractions import Fraction
 
 # Bus bandwidth = algorithm bandwidth x this factor (nccl-tests' definitions): it turns
 # bytes/time into the bandwidth each link must carry, comparable across world sizes.
@@ -70,6 +72,42 @@ def bytes_sent_per_rank(op, bytes_, world_size):
         "all_to_all": bytes_ * (n - 1) / n,   # keeps 1/N, sends the rest
     }
     return per_rank[op]
+
+
+# The collectives one data-parallel training step issues over the whole parameter set:
+# DDP all-reduces the gradients once; ZeRO-3 gathers the parameters for forward and again
+# for backward, and reduce-scatters the gradients.
+DATA_PARALLEL_COLLECTIVES = {
+    "ddp": ("all_reduce",),
+    "zero3": ("all_gather", "all_gather", "reduce_scatter"),
+}
+
+
+def data_parallel_bytes_per_rank(strategy, numel, world_size, value_bytes=4):
+    """Bytes each rank sends in one training step of `numel` parameters, exactly (a
+    Fraction): DDP 2(N-1)/N x numel x b; ZeRO-3 3(N-1)/N x numel x b, where numel is the
+    padded count its equal shards need (memory_model.padded_numel)."""
+    size = Fraction(numel * value_bytes)
+    return sum(bytes_sent_per_rank(op, size, world_size)
+               for op in DATA_PARALLEL_COLLECTIVES[strategy])
+
+
+class CollectiveCounter:
+    """The collectives this rank issued, counted as they are issued: how many of each op,
+    and the bytes it sent in them under the ring algorithms (exactly, as a Fraction)."""
+
+    def __init__(self, world_size):
+        self.world_size = world_size
+        self.reset()
+
+    def reset(self):
+        self.sent, self.counts = Fraction(0), {}
+
+    def add(self, op, tensor):
+        """Count one `op` on `tensor` (the full tensor: see bytes_sent_per_rank)."""
+        size = Fraction(tensor.numel() * tensor.element_size())
+        self.sent += bytes_sent_per_rank(op, size, self.world_size)
+        self.counts[op] = self.counts.get(op, 0) + 1
 
 
 def bus_bandwidth(op, bytes_, seconds, world_size):

@@ -1,0 +1,15 @@
+"""What the labs share. The runnable labs are the scripts beside this package
+(`labs/<name>.py`); nothing in here is meant to be run on its own.
+
+  distenv        the lab contract: parser and common options, process group, backend
+                 choice, per-rank seeds, metadata, the atomic JSON result, one-line errors
+  launch         run_lab: a lab under torchrun from a notebook or a test, its JSON back
+  timing         timing a distributed operation honestly (barrier, sync, slowest rank)
+  strategies     how a model is wrapped and trained: apply_ddp, apply_fsdp, train_step,
+                 the FSDP family's settings and its per-rank batches
+  transformer    the course's small GPT-style model, every tensor countable
+  comm_model     communication cost: bytes per rank, bus bandwidth, alpha-beta times
+  memory_model   memory cost: ZeRO states, parameters, activations, shard layouts
+  time_model     time cost: efficiency, Amdahl, DDP buckets, step time
+  notebook       what a chapter's first cell imports: run_lab, table, glue, formats, plots
+"""

@@ -1,0 +1,103 @@
+"""What a chapter needs besides its labs: its first cell is
+
+    import sys; sys.path.insert(0, "../labs")    # labs/, from book/ or _notebooks/
+    from labkit.notebook import run_lab, glue, table, plt, np
+
+  run_lab        launch a lab under torchrun and get its JSON back (labkit.launch)
+  glue           put a number computed in a cell into the prose, {glue:text}`name`
+  table          a Markdown table from a header and rows
+  format_bytes, format_percent, format_seconds   numbers written as a person would
+  LABS           the labs folder, for a process that needs the path (ipyparallel engines)
+
+Importing it also sets the book's plot style: figures sized for the page and fonts large
+enough to read on a phone, where a figure shrinks to 360 pixels.
+"""
+
+import numbers
+
+import matplotlib.pyplot as plt
+import numpy as np
+from IPython.display import Markdown
+from myst_nb import glue as _myst_glue
+
+from .launch import LABS_DIR as LABS
+from .launch import run_lab
+
+__all__ = ["LABS", "Markdown", "format_bytes", "format_percent", "format_seconds", "glue",
+           "np", "plt", "run_lab", "table"]
+
+# A 6-inch figure at 144 dots per inch is 864 pixels wide: sharp on a desktop page, and
+# on a phone, shrunk to about 360 pixels, 10.5-point text is still about 9 pixels tall.
+plt.rcParams.update({
+    "figure.figsize": (6.0, 3.8),
+    "figure.dpi": 144,
+    "savefig.dpi": 144,
+    "figure.constrained_layout.use": True,
+    "font.size": 10.5,
+    "axes.titlesize": 10.5,
+    "axes.labelsize": 10.5,
+    "xtick.labelsize": 10,
+    "ytick.labelsize": 10,
+    "legend.fontsize": 9.5,
+    "legend.framealpha": 0.85,
+    "axes.grid": True,
+    "grid.alpha": 0.3,
+    "lines.markersize": 5,
+})
+
+
+def glue(name, value):
+    """Glue `value` under `name` for the prose ({glue:text}`name:.2f`), showing nothing here.
+
+    NumPy scalars become plain Python numbers first: glued as they are, they render as
+    `np.float64(...)` and break the format specifications of {glue:text}."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        value = int(value)
+    elif isinstance(value, numbers.Real):
+        value = float(value)
+    _myst_glue(name, value, display=False)
+
+
+def table(header, rows):
+    """A Markdown table from a header and rows of cells (formatted already, or anything
+    whose str() reads well)."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(map(str, row)) + " |" for row in rows]
+    return Markdown("\n".join(lines))
+
+
+def _three_digits(value):
+    """A positive number with three significant digits and no exponent: 519, 3.7, 0.0123."""
+    text = f"{value:.3g}"
+    if "e" in text:   # 3 digits of a value >= 1000 give 1.23e+03: write it out instead
+        text = f"{value:.0f}"
+    return text
+
+
+def format_bytes(count):
+    """Bytes in decimal units (1 GB = 10^9 bytes, as the ZeRO paper and GPU datasheets
+    count): 518_656_000_000 -> "519 GB", 3_700_000 -> "3.7 MB", 640 -> "640 B"."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(count) >= size:
+            return f"{_three_digits(count / size)} {unit}"
+    return f"{count:g} B"
+
+
+def format_percent(fraction):
+    """A share as a percentage that never rounds a small share away: 0.001 -> "0.1 %",
+    0.0123 -> "1.2 %", 0.5 -> "50 %"."""
+    percent = 100 * fraction
+    if percent == 0 or abs(percent) >= 10:
+        return f"{percent:.0f} %"
+    if abs(percent) >= 1:
+        return f"{percent:.1f} %"
+    return f"{percent:.2g} %"
+
+
+def format_seconds(seconds):
+    """A duration in the unit that suits it: 4.2e-5 -> "42 µs", 0.0123 -> "12.3 ms",
+    2.5 -> "2.5 s"."""
+    for unit, size in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if abs(seconds) >= size:
+            return f"{_three_digits(seconds / size)} {unit}"
+    return f"{_three_digits(seconds / 1e-9)} ns"
