@@ -126,6 +126,13 @@ def resume(args, env):
             "param_count": sum(p.numel() for p in model.parameters())}
 
 
+def check_world_size(world_size):
+    """Every rank takes an equal slice of the global batch, or the lab refuses to start."""
+    if GLOBAL_BATCH % world_size:
+        distenv.fail(f"the global batch of {GLOBAL_BATCH} sequences does not split over "
+                     f"{world_size} ranks; use 1, 2, 3, 4, 6 or 12")
+
+
 def parse_args(argv=None):
     parser = distenv.lab_parser(__doc__)
     parser.add_argument("phase", choices=["save", "resume"])
@@ -138,9 +145,7 @@ def parse_args(argv=None):
 def main():
     args = parse_args()
     with distenv.initialize(args) as env:
-        if GLOBAL_BATCH % env.world_size:
-            distenv.fail(f"the global batch of {GLOBAL_BATCH} sequences does not split over "
-                         f"{env.world_size} ranks; use 1, 2, 3, 4, 6 or 12")
+        check_world_size(env.world_size)
         if args.phase == "save":
             metrics = save(args, env)
             env.print0(f"step {metrics['step']} saved by {env.world_size} ranks to {args.dir}: "

@@ -53,7 +53,7 @@ from labkit.transformer import Transformer, next_token_loss
 
 STRATEGIES = ("ddp", "fsdp")
 SCALINGS = ("strong", "weak")
-BATCH = 16             # strong: sequences in all; weak: sequences per rank
+BATCH = 6              # strong: sequences in all (divides by N = 1, 2, 3); weak: per rank
 LEARNING_RATE = 0.1
 # timing
 STEPS = 10             # timed steps (also repeats of the compute and communication timings)
@@ -163,6 +163,13 @@ def measure(strategy, scaling, args, env, link):
     }
 
 
+def check_batch(args, world_size):
+    """Strong scaling splits the batch evenly over the ranks, or the lab refuses to start."""
+    if "strong" in args.scaling and args.batch % world_size:
+        distenv.fail(f"strong scaling splits --batch {args.batch} over {world_size} "
+                     f"ranks: it must be a multiple of the world size")
+
+
 def parse_args(argv=None):
     parser = distenv.lab_parser(__doc__)
     parser.add_argument("--strategy", type=distenv.choice_list(STRATEGIES), default=["ddp"],
@@ -180,9 +187,7 @@ def parse_args(argv=None):
 def main():
     args = parse_args()
     with distenv.initialize(args) as env:
-        if "strong" in args.scaling and args.batch % env.world_size:
-            distenv.fail(f"strong scaling splits --batch {args.batch} over {env.world_size} "
-                         f"ranks: it must be a multiple of the world size")
+        check_batch(args, env.world_size)
         link = fit_link(env, args.steps)
         runs = []
         for strategy in args.strategy:

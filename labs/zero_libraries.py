@@ -11,7 +11,7 @@ Every run uses the FSDP lab's model, data, SGD with momentum and fp32 (strategie
 FSDP_FAMILY), so the only thing that differs from DDP is who moves the bytes: the final
 parameters must agree to rounding. `--library all` (or a comma-separated list) trains each
 in turn in the same launch. Without a GPU, DeepSpeed is pointed at its CPU accelerator
-(DS_ACCELERATOR=cpu), which runs its collectives on gloo.
+(DS_ACCELERATOR=cpu) and its collectives go through torch.distributed on gloo.
 
 Launch lines (from the repository root):
   laptop, gloo on CPU:  torchrun --standalone --nproc_per_node=2 labs/zero_libraries.py \\
@@ -63,6 +63,11 @@ class DeepSpeedRun:
             os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when deepspeed is imported
         import deepspeed
         deepspeed.utils.logger.setLevel(logging.WARNING)
+        if env.device.type == "cpu":
+            # On CPU DeepSpeed would compile a shared-memory all-reduce of its own (a C++
+            # extension, half a minute of g++ on first use). Without it, its collectives go
+            # through torch.distributed on gloo, as on GPUs they go through it on NCCL.
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         self.deepspeed, self.stage = deepspeed, stage
         self.config = deepspeed_config(stage, env.world_size)
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),

@@ -1,6 +1,6 @@
 """The FSDP lab: scratch ZeRO-3 and FSDP2 against DDP, the collectives they issue against
 2 psi and 3 psi, and the memory timeline and state against the schedule. The chapter runs
-N = 2, 3 and 4 and asserts the same (fsdp.md, hidden cells); here N = 1, by hand."""
+N = 4 and asserts the same (fsdp.md, hidden cells); here N = 1, 2 and 3, by hand."""
 
 import pytest
 
@@ -12,7 +12,7 @@ from labkit.launch import run_lab
 
 @pytest.fixture(scope="module")
 def one_rank():
-    return run_lab("fsdp", 1, ["--steps", 3], echo=False)
+    return run_lab("fsdp", None, ["--steps", 3], echo=False)   # python, no torchrun
 
 
 def test_scratch_and_fully_shard_match_ddp_and_the_predictions(one_rank):
@@ -56,3 +56,31 @@ def test_the_sawtooth_goes_up_and_down(one_rank):
 def test_bad_steps_is_refused_in_one_line(script):
     assert_refused(fsdp.parse_args, ["--steps", 0], "--steps must be at least 1")
     assert_fails_with_one_line(script("fsdp", "--steps", 0), "--steps must be at least 1")
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_real_ranks_match_ddp_and_the_predictions_by_hand(n):
+    result = run_lab("fsdp", n, ["--steps", 3], echo=False)
+    psi, padded = result["param_count"], result["padded_param_count"]
+    assert result["world_size"] == n
+    assert max(result["max_param_diff"].values()) <= 1e-5
+    for numel, rounded in zip(result["unit_param_counts"], result["unit_padded_counts"]):
+        assert rounded % n == 0 and 0 <= rounded - numel < n
+    assert (padded > psi) == (n == 3)   # the model is shaped so that N = 3 and 4 pad
+    # bytes sent per rank per step: DDP 2(N-1)/N x 4 psi, ZeRO-3 3(N-1)/N x 4 psi'
+    sent = result["comm_bytes_per_rank"]
+    assert sent == result["predicted_comm_bytes_per_rank"]
+    assert sent["ddp"] == round(2 * (n - 1) * 4 * psi / n)
+    assert sent["zero3"] == round(3 * (n - 1) * 4 * padded / n)
+    for name in ("ddp", "zero3"):
+        timeline = result["memory_timeline"][name]
+        assert timeline["events"] == timeline["predicted_events"]
+        assert timeline["peak_bytes"] == timeline["predicted_peak_bytes"]
+        assert len(timeline["events"]) == 4 * len(result["unit_param_counts"])
+    largest = max(result["unit_padded_counts"])
+    assert result["memory_timeline"]["zero3"]["peak_bytes"] == 8 * padded // n + 8 * largest
+    events = result["memory_timeline"]["zero3"]["events"]   # the sawtooth
+    params = [e["param_bytes"] for e in events]
+    assert all(start > end for start, end in zip(params[0::2], params[1::2]))
+    assert result["state_bytes_per_rank"] == result["predicted_state_bytes_per_rank"]
+    assert result["state_bytes_per_rank"]["zero3"]["total"] == 12 * padded // n

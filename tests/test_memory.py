@@ -1,7 +1,7 @@
 """The memory lab: predict against the ZeRO paper, measure against predict in torch's own
-DDP, ZeroRedundancyOptimizer and FSDP2. The chapter measures every strategy at N = 1 to 4
-and at simulated N = 8, 32, 128 and 1024, and asserts each; here the simulated N = 64, the
-calculator, and bad input."""
+DDP, ZeroRedundancyOptimizer and FSDP2. The chapter measures every strategy on real ranks
+at N = 1 and 4 and on simulated ones at N = 2, 3, 4, 8, 32, 128 and 1024, and asserts each;
+here real ranks at N = 2 and 3, a simulated N = 64, the calculator, and bad input."""
 
 import json
 
@@ -9,8 +9,8 @@ import pytest
 
 import memory
 from conftest import assert_fails_with_one_line, assert_refused
-from labkit import memory_model
-from labkit.launch import LabError, run_lab
+from labkit import distenv, memory_model
+from labkit.launch import run_lab
 from labkit.transformer import Transformer
 
 KEYS = ("params", "grads", "optimizer", "total")
@@ -56,6 +56,15 @@ def check_measurement(row, strategy, world_size):
         assert measured["total"] > predicted["total"]
     # Adam's step counters are 4-byte scalars, one per parameter tensor rank 0 optimizes
     assert row["step_counter_bytes"] % 4 == 0 and row["step_counter_bytes"] > 0
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_real_ranks_hold_what_the_layout_predicts(world_size):
+    result = run_lab("memory", world_size, ["measure", "--strategy", "all"], echo=False)
+    assert result["simulated"] is False and result["world_size"] == world_size
+    assert [row["strategy"] for row in result["measurements"]] == list(memory_model.STRATEGIES)
+    for row in result["measurements"]:
+        check_measurement(row, row["strategy"], world_size)
 
 
 def test_a_simulated_world_of_64_in_one_process():
@@ -104,18 +113,25 @@ def test_bad_input_exits_with_one_clear_line(script):
                                "invalid choice: 'zero4'")
 
 
-def test_simulating_under_torchrun_is_refused():
-    with pytest.raises(LabError) as error:
-        run_lab("memory", 1, ["measure", "--strategy", "ddp", "--simulate-world-size", 8],
-                echo=False)
-    assert "start it with python, not torchrun" in str(error.value)
+def test_simulating_under_torchrun_is_refused(monkeypatch):
+    # what torchrun sets for every rank it starts
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"),
+                        ("LOCAL_WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)
+    args = memory.parse_args(["measure", "--strategy", "ddp", "--simulate-world-size", "8"])
+    with pytest.raises(SystemExit, match="start it with python, not torchrun"):
+        with distenv.initialize(args, simulate_world_size=8):
+            pass
 
 
-def test_help_works_without_torchrun(script):
-    for command, options in (("predict", ("--params", "--gpus", "--optimizer", "--precision",
-                                          "--json", "--layers", "--vocab")),
-                             ("measure", ("--strategy", "--simulate-world-size", "--out",
-                                          "--backend", "--timeout"))):
-        done = script("memory", command, "--help")
-        assert done.returncode == 0
-        assert all(option in done.stdout for option in options), done.stdout
+@pytest.mark.parametrize("command, options", [
+    ("predict", ("--params", "--gpus", "--optimizer", "--precision", "--json", "--layers",
+                 "--vocab")),
+    ("measure", ("--strategy", "--simulate-world-size", "--out", "--backend", "--timeout")),
+])
+def test_help_lists_every_option(capsys, command, options):
+    with pytest.raises(SystemExit) as done:
+        memory.parse_args([command, "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert all(option in text for option in options), text

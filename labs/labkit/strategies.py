@@ -82,7 +82,7 @@ FSDP_FAMILY = TrainingSetup(shape=Shape(layers=3, hidden=50, heads=5, seq=16, vo
 
 # The scaling chapter's labs (mini_ddp, scaling): about 0.93 M parameters, 3.7 MB of fp32
 # gradients, enough for several DDP buckets.
-SCALING_SHAPE = Shape(layers=4, hidden=128, heads=4, seq=64, vocab=512)
+SCALING_SHAPE = Shape(layers=2, hidden=128, heads=4, seq=64, vocab=512)
 
 
 def rank_batch(shape, batch, seed, step, rank, device):
