@@ -11,7 +11,8 @@ while the next ones are still on the wire.
                   elements, compared with dist.all_reduce on the same input; bytes sent
                   counted on every rank and predicted
   --sizes LIST    a timing sweep, e.g. 4K,64K,1M,16M (bytes; K/M/G = 2^10/2^20/2^30),
-                  ring and dist.all_reduce alternating, --repeats timed runs per size
+                  ring and dist.all_reduce alternating, --repeats timed samples per size,
+                  each sample the operation repeated back to back for about 20 ms
 
 Launch lines (from the repository root):
   laptop, gloo on CPU:  torchrun --standalone --nproc_per_node=4 labs/ring_allreduce.py --sizes 4K,1M,16M
@@ -23,9 +24,12 @@ Launch lines (from the repository root):
 
 JSON metrics: correctness [{numel, max_abs_err, bytes_sent_per_rank (counted on rank 0),
 predicted_bytes_per_rank, bytes_sent_by_rank, predicted_bytes_by_rank}], one per --numel,
-and with --sizes: sweep [{bytes, ring_time_s, library_time_s, ring_busbw_gbps,
-library_busbw_gbps, ...}], alpha_s, beta_bytes_per_s (fitted to the library).
+and with --sizes: sweep [{bytes, iterations (per sample), ring_time_s, library_time_s (per
+operation, median), ring_busbw_gbps, library_busbw_gbps, ...}], alpha_s, beta_bytes_per_s
+(fitted to the library).
 """
+
+import statistics
 
 import torch
 import torch.distributed as dist
@@ -35,10 +39,12 @@ from labkit import comm_model, distenv, timing
 # correctness run
 NUMEL = 1_000_003          # does not divide by any small N: unequal chunks by default
 # timing sweep
-REPEATS = 15               # timed runs per size and implementation; the median is reported
+REPEATS = 15               # timed samples per size and implementation; the median is reported
 WARMUP = 3                 # untimed runs first: the first collective sets up connections
+SAMPLE_S = 0.02            # a sample repeats the operation back to back for about this long,
+MAX_ITERATIONS = 20        # ... at most this many times, and reports the time per operation
 # implementation
-SEGMENT_BYTES = 1 << 20    # pipelining grain: 1 MiB per send/receive (gloo pays ~0.2 ms per message)
+SEGMENT_BYTES = 2 << 20    # pipelining grain: 2 MiB per send/receive (gloo pays ~0.2 ms per message)
 ELEMENT_SIZE = 4           # float32
 
 
@@ -156,7 +162,13 @@ def check_correctness(env, numel, seed, segment_bytes):
 
 
 def sweep(env, sizes, repeats, segment_bytes):
-    """Time the ring and dist.all_reduce on each size, alternating, median of the repeats."""
+    """Time the ring and dist.all_reduce on each size, alternating, median of the repeats.
+
+    Each timed sample runs the operation `iterations` times back to back and reports the
+    time per operation, as nccl-tests averages over iterations: the barrier that starts a
+    sample releases the ranks a little apart, and over a sample of about SAMPLE_S that skew
+    is a small part of the time instead of most of it for small messages.
+    """
     rows = []
     for size in sizes:
         numel = size // ELEMENT_SIZE
@@ -166,15 +178,21 @@ def sweep(env, sizes, repeats, segment_bytes):
             "ring": lambda: ring_allreduce(buffer, segment_bytes),
             "library": lambda: dist.all_reduce(buffer),
         }
+        warm = []   # the first runs set up connections and buffers; they also size a sample
+        for _ in range(WARMUP):
+            for operation in implementations.values():
+                buffer.copy_(source)
+                warm.append(timing.timed(env.device, operation))
+        # timed() returns the slowest rank's time, so every rank picks the same count
+        iterations = max(1, min(MAX_ITERATIONS, round(SAMPLE_S / statistics.median(warm))))
         times = {name: [] for name in implementations}
-        for index in range(WARMUP + repeats):
+        for index in range(repeats):
             for name, operation in implementations.items():
                 buffer.copy_(source)  # same input each time, outside the timed region
-                elapsed = timing.timed(env.device, operation)
-                if index >= WARMUP:
-                    times[name].append(elapsed)
-            env.progress(f"{size} bytes: {index + 1}/{WARMUP + repeats}")
-        row = {"bytes": numel * ELEMENT_SIZE}
+                elapsed = timing.timed(env.device, lambda: [operation() for _ in range(iterations)])
+                times[name].append(elapsed / iterations)
+            env.progress(f"{size} bytes: {index + 1}/{repeats}")
+        row = {"bytes": numel * ELEMENT_SIZE, "iterations": iterations}
         for name in implementations:
             median, low, high = timing.summary(times[name])
             row[f"{name}_time_s"] = median
