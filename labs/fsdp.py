@@ -45,7 +45,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from labkit import comm_model, distenv, memory_model
 from labkit.strategies import FSDP_FAMILY as SETUP
-from labkit.strategies import apply_ddp, apply_fsdp, rank_batch, train_step
+from labkit.strategies import TorchDDP, apply_fsdp, rank_batch, train_step
 from labkit.transformer import Transformer, next_token_loss
 
 BYTES = 4              # fp32 everywhere: parameters, gradients, momentum, communication
@@ -167,27 +167,18 @@ class ScratchZero3:
         return result
 
 
-class TorchDDP:
-    """torch DDP whose gradients are views of its buckets, counting the bytes it sends."""
+def counting_ddp(model, env):
+    """(torch DDP whose gradients are views of its buckets, the counter of the bytes it
+    sends): a communication hook counts each bucket, then runs DDP's own all-reduce."""
+    counter = comm_model.CollectiveCounter(env.world_size)
 
-    def __init__(self, model, env):
-        self.counter = comm_model.CollectiveCounter(env.world_size)
-        self.model = apply_ddp(model, env.device, comm_hook=self._counting_allreduce,
-                               gradient_as_bucket_view=True)
-        self.optimizer = SETUP.optimizer(self.model.parameters())
-
-    def _counting_allreduce(self, state, bucket):
-        self.counter.add("all_reduce", bucket.buffer())
+    def counting_allreduce(state, bucket):
+        counter.add("all_reduce", bucket.buffer())
         return default_hooks.allreduce_hook(state, bucket)
 
-    def train_step(self, ids, targets):
-        # Keep the gradients: they are views of DDP's buckets, which exist either way;
-        # the next backward overwrites them.
-        train_step(self.model, self.optimizer, ids, targets, set_to_none=False)
-
-    def tensors(self):
-        params = list(self.model.parameters())
-        return params, [p.grad for p in params]
+    ddp = TorchDDP(model, env.device, SETUP.optimizer, comm_hook=counting_allreduce,
+                   gradient_as_bucket_view=True, keep_grads=True)
+    return ddp, counter
 
 
 class TorchFSDP2:
@@ -253,15 +244,16 @@ def state_bytes(implementation):
 
 def run(args, env):
     initial = Transformer(SETUP.shape).to(env.device)
-    ddp = TorchDDP(copy.deepcopy(initial), env)
+    ddp, ddp_counter = counting_ddp(copy.deepcopy(initial), env)
     zero3 = ScratchZero3(copy.deepcopy(initial), env)
     fsdp2 = TorchFSDP2(copy.deepcopy(initial))
+    counters = {"ddp": ddp_counter, "zero3": zero3.counter}
     timelines = {"ddp": Timeline(ddp.model.module.units(), ddp.tensors),
                  "zero3": Timeline(zero3.model.units(), zero3.tensors)}
     for step in range(args.steps):
         last = step == args.steps - 1
-        for name, implementation in (("ddp", ddp), ("zero3", zero3)):
-            implementation.counter.reset()   # count the last step only
+        for name in ("ddp", "zero3"):
+            counters[name].reset()   # count the last step only
             timelines[name].active = last
         ids, targets = rank_batch(SETUP.shape, SETUP.batch, args.seed, step, env.rank,
                                   env.device)
@@ -270,7 +262,7 @@ def run(args, env):
         env.progress(f"step {step + 1}/{args.steps}")
     env.progress("")
 
-    reference = list(ddp.model.module.parameters())
+    reference = ddp.parameters()
     unit_numels = [unit.numel for unit in zero3.units]
     unit_padded = [unit.padded for unit in zero3.units]
     psi, padded, n = sum(unit_numels), sum(unit_padded), env.world_size
@@ -287,8 +279,7 @@ def run(args, env):
         "max_param_diff": {
             "scratch_vs_ddp": distenv.max_param_diff(zero3.full_parameters(), reference, env.device),
             "fully_shard_vs_ddp": distenv.max_param_diff(fsdp2.full_parameters(), reference, env.device)},
-        "comm_bytes_per_rank": {"ddp": round(ddp.counter.sent),
-                                "zero3": round(zero3.counter.sent)},
+        "comm_bytes_per_rank": {name: round(counter.sent) for name, counter in counters.items()},
         "predicted_comm_bytes_per_rank": {
             "ddp": round(comm_model.data_parallel_bytes_per_rank("ddp", psi, n, BYTES)),
             "zero3": round(comm_model.data_parallel_bytes_per_rank("zero3", padded, n, BYTES))},

@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from labkit import distenv, time_model, timing
 from labkit.strategies import SCALING_SHAPE as SHAPE
-from labkit.strategies import apply_ddp, rank_batch, train_step
+from labkit.strategies import TorchDDP, rank_batch, train_step
 from labkit.transformer import Transformer, next_token_loss
 
 # model and data: SCALING_SHAPE, 3.7 MB of fp32 gradients in four 1 MiB buckets
@@ -107,10 +107,19 @@ class Bucket:
             param.grad.copy_(view.view_as(param.grad))
 
 
+def sgd(params):
+    """Plain SGD: the result depends on the gradients alone."""
+    return torch.optim.SGD(params, lr=LEARNING_RATE)
+
+
 class Naive:
     def __init__(self, model, link, bucket_bytes_cap):
         self.model, self.link = model, link
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = sgd(self.params)
+
+    def train_step(self, ids, targets):
+        train_step(self.model, self.optimizer, ids, targets, self.after_backward)
 
     def after_backward(self):
         for param in self.params:
@@ -165,15 +174,12 @@ class Overlapped(Bucketed):
         self._reset()
 
 
-class TorchDDP:
-    def __init__(self, model, link, bucket_bytes_cap):
-        delayed = link.thread is not None
-        self.model = apply_ddp(model, next(model.parameters()).device,
-                               comm_hook=delayed_allreduce_hook if delayed else None,
-                               hook_state=link, bucket_cap_mb=bucket_bytes_cap / 2**20)
-
-    def after_backward(self):
-        pass  # DDP has averaged the gradients during backward
+def torch_ddp(model, link, bucket_bytes_cap):
+    """torch DDP with the same bucket cap, over the same link (slowed by a hook if it is)."""
+    delayed = link.thread is not None
+    return TorchDDP(model, next(model.parameters()).device, sgd,
+                    comm_hook=delayed_allreduce_hook if delayed else None, hook_state=link,
+                    bucket_cap_mb=bucket_bytes_cap / 2**20)
 
 
 def delayed_allreduce_hook(link, bucket):
@@ -183,7 +189,7 @@ def delayed_allreduce_hook(link, bucket):
 
 
 IMPLEMENTATIONS = {"naive": Naive, "bucketed": Bucketed, "overlapped": Overlapped,
-                   "torch_ddp": TorchDDP}
+                   "torch_ddp": torch_ddp}
 
 
 def batch(args, step, rank, device):
@@ -193,7 +199,7 @@ def batch(args, step, rank, device):
 def reference_params(initial, args, env):
     """One process, the whole batch (all ranks' shards) at every step."""
     model = copy.deepcopy(initial)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    optimizer = sgd(model.parameters())
     for step in range(args.steps):
         shards = [batch(args, step, r, env.device) for r in range(env.world_size)]
         ids, targets = (torch.cat(parts) for parts in zip(*shards))
@@ -206,17 +212,14 @@ def run(args, env):
     initial = Transformer(SHAPE).to(env.device)
     cap = int(args.bucket_mb * 2**20)
     links = [Link(env.world_size, delay) for delay in args.comm_delay_ns_per_byte]
-    runs = {}   # (link index, variant) -> (implementation, optimizer, step times)
+    runs = {}   # (link index, variant) -> (implementation, step times)
     for index, link in enumerate(links):
         for name in args.variants:
-            implementation = IMPLEMENTATIONS[name](copy.deepcopy(initial), link, cap)
-            optimizer = torch.optim.SGD(implementation.model.parameters(), lr=LEARNING_RATE)
-            runs[index, name] = (implementation, optimizer, [])
+            runs[index, name] = (IMPLEMENTATIONS[name](copy.deepcopy(initial), link, cap), [])
     for step in range(args.steps):
         ids, targets = batch(args, step, env.rank, env.device)
-        for implementation, optimizer, times in runs.values():
-            elapsed = timing.timed(env.device, lambda: train_step(
-                implementation.model, optimizer, ids, targets, implementation.after_backward))
+        for implementation, times in runs.values():
+            elapsed = timing.timed(env.device, lambda: implementation.train_step(ids, targets))
             if step >= args.warmup:
                 times.append(elapsed)
         env.progress(f"step {step + 1}/{args.steps}")
@@ -226,7 +229,7 @@ def run(args, env):
 
     reference = reference_params(initial, args, env)
     results = [{"comm_delay_ns_per_byte": link.ns_per_byte, "variants": {}} for link in links]
-    for (index, name), (implementation, _, times) in runs.items():
+    for (index, name), (implementation, times) in runs.items():
         median, low, high = timing.summary(times)
         results[index]["variants"][name] = {
             "step_time_s": median, "step_time_spread_s": high - low,
@@ -238,7 +241,7 @@ def run(args, env):
                "bucket_bytes": time_model.bucket_bytes(sizes, (cap, cap))}
 
     model = copy.deepcopy(initial)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    optimizer = sgd(model.parameters())
     ids, targets = batch(args, 0, env.rank, env.device)
     compute = timing.compute_times(model, optimizer, next_token_loss, ids, targets, env.device,
                                    repeats=args.steps - args.warmup)

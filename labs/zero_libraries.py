@@ -35,7 +35,7 @@ import warnings
 
 from labkit import distenv
 from labkit.strategies import FSDP_FAMILY as SETUP
-from labkit.strategies import apply_ddp, rank_batch, train_step
+from labkit.strategies import TorchDDP, rank_batch
 from labkit.transformer import Transformer, next_token_loss
 
 LIBRARIES = ("deepspeed-zero2", "deepspeed-zero3", "accelerate")
@@ -116,11 +116,10 @@ def run(args, env):
     batches = [rank_batch(SETUP.shape, SETUP.batch, args.seed, step, env.rank, env.device)
                for step in range(args.steps)]
     # the reference: torch DDP on the same batches
-    ddp = apply_ddp(copy.deepcopy(initial), env.device)
-    ddp_optimizer = SETUP.optimizer(ddp.parameters())
+    ddp = TorchDDP(copy.deepcopy(initial), env.device, SETUP.optimizer)
     for ids, targets in batches:
-        train_step(ddp, ddp_optimizer, ids, targets)
-    trained = list(ddp.module.parameters())
+        ddp.train_step(ids, targets)
+    trained = ddp.parameters()
     results = {}
     for name in args.library:
         if name == "accelerate":

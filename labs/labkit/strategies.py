@@ -4,6 +4,8 @@ pattern of torchtitan's parallelize_* functions).
   apply_ddp       DistributedDataParallel, on the rank's own GPU when there is one
   apply_fsdp      FSDP2: fully_shard on every unit (embedding, each block, head), then the root
   train_step      forward, next-token loss, backward, optimizer step, gradients zeroed
+  TorchDDP        torch's DDP with its optimizer, stepped as one: the reference that the
+                  labs' own data-parallel implementations are checked and timed against
   TrainingSetup   a model shape, batch and optimizer that several labs train alike;
                   FSDP_FAMILY is the one the FSDP chapter's labs share, SCALING_SHAPE
                   the model of the scaling chapter's
@@ -56,6 +58,33 @@ def train_step(model, optimizer, ids, targets, after_backward=None, set_to_none=
     optimizer.step()
     optimizer.zero_grad(set_to_none=set_to_none)
     return loss.detach()
+
+
+class TorchDDP:
+    """torch's DDP and its optimizer, trained one step at a time.
+
+    keep_grads=True zeroes the gradients instead of freeing them after each step: with
+    gradient_as_bucket_view=True they are views of DDP's buckets, which exist either way,
+    so a memory count sees what DDP really holds."""
+
+    def __init__(self, model, device, make_optimizer, comm_hook=None, hook_state=None,
+                 keep_grads=False, **options):
+        self.model = apply_ddp(model, device, comm_hook, hook_state, **options)
+        self.optimizer = make_optimizer(self.model.parameters())
+        self.keep_grads = keep_grads
+
+    def train_step(self, ids, targets):
+        return train_step(self.model, self.optimizer, ids, targets,
+                          set_to_none=not self.keep_grads)
+
+    def parameters(self):
+        """The trained parameters, as the unwrapped module holds them."""
+        return list(self.model.module.parameters())
+
+    def tensors(self):
+        """(parameters, gradients) this rank holds now: all of both, DDP shards nothing."""
+        params = self.parameters()
+        return params, [p.grad for p in params]
 
 
 @dataclasses.dataclass(frozen=True)
