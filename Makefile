@@ -1,6 +1,6 @@
 # Two commands do everything on a fresh machine with Python 3.10+ and make:
 #   make book    build the executed book into _build/html
-#   make test    run the tests, then build the book with warnings as errors
+#   make test    run the tests, build the book with warnings as errors, check the built pages
 # Both create the virtual environment from requirements.txt on first use.
 
 PYTHON ?= python3
@@ -17,11 +17,11 @@ PORT   ?= 8000
 # every chapter, since a changed lab must re-run even when its chapter did not change.
 JB_FLAGS := --all -W -n --keep-going
 
-.PHONY: help venv book test pytest lab serve linkcheck notebooks clean
+.PHONY: help venv book test pytest htmlcheck lab serve linkcheck notebooks clean
 
 help:
 	@echo "make book       build the executed book into _build/html"
-	@echo "make test       run the tests, then build the book with warnings as errors"
+	@echo "make test       run the tests, build the book with warnings as errors, check its pages"
 	@echo "make lab LAB=grad_averaging NPROC=4 ARGS='--steps 50'   run one lab under torchrun"
 	@echo "make serve      serve _build/html on http://127.0.0.1:$(PORT)"
 	@echo "make linkcheck  check the book's external links"
@@ -50,10 +50,14 @@ venv: $(VENV)/.installed
 book: venv
 	$(BIN)/jupyter-book build . $(JB_FLAGS)
 
+# The labs and cost models; tests/book checks the built pages, after the book (htmlcheck).
 pytest: venv
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests --ignore=tests/book
 
-test: pytest book
+htmlcheck: venv
+	$(BIN)/python -m pytest tests/book
+
+test: pytest book htmlcheck
 
 lab: venv
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m torch.distributed.run \

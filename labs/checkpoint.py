@@ -148,14 +148,15 @@ def main():
         check_world_size(env.world_size)
         if args.phase == "save":
             metrics = save(args, env)
-            env.print0(f"step {metrics['step']} saved by {env.world_size} ranks to {args.dir}: "
+            env.print0(f"step {metrics['step']} saved by {env.world_size} ranks: "
                        f"{metrics['checkpoint_bytes']:,} B sharded, "
                        f"{metrics['full_export_bytes']:,} B full export")
         else:
             metrics = resume(args, env)
             env.print0(f"saved by {metrics['saved_world_size']} ranks, resumed by "
                        f"{env.world_size} at step {metrics['resumed_from_step']}, trained to "
-                       f"{metrics['total_steps']}: max |resumed - uninterrupted| = "
+                       f"step {metrics['total_steps']}:")
+            env.print0(f"  max |resumed - uninterrupted| = "
                        f"{metrics['max_param_diff_vs_uninterrupted']:.2e}")
         env.write_result(args, {"phase": args.phase, **metrics})
 

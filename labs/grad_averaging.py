@@ -10,7 +10,7 @@ the pitfalls do not.
   grad_accumulation  DDP, no_sync over --accum micro-steps           ref: batch N*B*accum
   sum_not_mean       pitfall: all-reduce(SUM) without dividing by N  ref: batch N*B
   no_set_epoch       pitfall: sampler.set_epoch never called         ref: batch N*B
-  unequal_shards     pitfall: rank r gets B + r samples, DDP         ref: the same samples
+  unequal_shards     pitfall: rank r averages over B + r samples     ref: the same samples
 
 Launch lines (from the repository root):
   laptop, gloo on CPU:  torchrun --standalone --nproc_per_node=4 labs/grad_averaging.py --out ga.json
@@ -131,7 +131,8 @@ def allreduce_gradients(divide_by_world):
 
 
 def unequal_sizes(world_size, batch_per_rank):
-    """Pitfall: rank r gets B + r samples per step (as an unpadded last batch would)."""
+    """Pitfall: rank r averages its loss over B + r samples per step, as a mean over each
+    rank's own count of valid tokens would."""
     return [batch_per_rank + r for r in range(world_size)]
 
 

@@ -19,6 +19,8 @@ Launch lines (from the repository root):
   the ZeRO paper's example:  python labs/memory.py predict --params 7.5B --gpus 64
   from a model shape:        python labs/memory.py predict --layers 32 --hidden 4096 \
                                --heads 32 --seq 2048 --batch 1 --vocab 32000 --gpus 8
+  GPT-2 (tied head):         python labs/memory.py predict --layers 12 --hidden 768 \
+                               --heads 12 --seq 1024 --vocab 50257 --tie-embeddings
   laptop, gloo on CPU:       torchrun --standalone --nproc_per_node=4 labs/memory.py \
                                measure --strategy all --out mem.json
   rank 0 of 1024, simulated: python labs/memory.py measure --strategy zero3 \
@@ -181,10 +183,11 @@ def measure(args):
         with distenv.initialize(args, simulate_world_size=simulated) as env:
             if shared is None:
                 shared = model_facts(args, env)
-                env.print0(f"{shared['param_count']:,} parameters, {args.optimizer}, fp32; "
-                           f"activations per layer: measured "
-                           f"{shared['activation_bytes']['measured_per_layer']:,} bytes, "
-                           f"formula {shared['activation_bytes']['predicted_per_layer']:,}")
+                activations = shared["activation_bytes"]
+                env.print0(f"{shared['param_count']:,} parameters, {args.optimizer}, fp32")
+                env.print0(f"activations per layer: measured "
+                           f"{activations['measured_per_layer']:,} bytes, formula "
+                           f"{activations['predicted_per_layer']:,}")
             for strategy in args.strategy:
                 # Each strategy measured in a function of its own, so its wrapped model and
                 # optimizer are gone before the next one, and before the group is destroyed.
@@ -272,7 +275,7 @@ def predict(args):
     else:
         shape, batch = shape_of(args), args.batch
         params = memory_model.transformer_params(shape.layers, shape.hidden, shape.vocab,
-                                                 shape.seq)
+                                                 shape.seq, tied_head=args.tie_embeddings)
         value_bytes = 2 if args.precision == "mixed" else 4
         activations = {
             name: memory_model.activation_bytes(
@@ -289,8 +292,9 @@ def predict(args):
         print(json.dumps(table, indent=1))
         return
     p, g, k = memory_model.bytes_per_parameter(args.optimizer, args.precision)
-    print(f"{params / 1e9:.3f} B parameters on {args.gpus} GPUs, {args.optimizer}, "
-          f"{args.precision}: {p} + {g} + {k} bytes per parameter (GB = 1e9 bytes per GPU)")
+    print(f"{params:,} parameters ({params / 1e9:.3f} B) on {args.gpus} GPUs, "
+          f"{args.optimizer}, {args.precision}: {p} + {g} + {k} bytes per parameter "
+          f"(GB = 1e9 bytes per GPU)")
     columns = ("params", "grads", "optimizer", "total")
     print(f"{'strategy':<9}" + "".join(f"{key:>11}" for key in columns))
     for strategy, row in table.items():
@@ -314,6 +318,9 @@ def parse_args(argv=None):
                       help="sequences per GPU (activations)")
     pred.add_argument("--no-dropout", dest="dropout", action="store_false",
                       help="activations of a model trained without dropout")
+    pred.add_argument("--tie-embeddings", action="store_true",
+                      help="the output head shares the token embedding's weights "
+                           "(GPT-2, GPT-3): V x h parameters fewer")
     pred.add_argument("--json", action="store_true", help="print JSON, bytes per GPU")
     meas = commands.add_parser("measure", help="count what rank 0 holds in torch's own")
     meas.add_argument("--strategy", required=True,
@@ -347,6 +354,8 @@ def check_args(args):
         if args.params is not None:
             if given:
                 distenv.fail("give --params or a model shape (--layers ...), not both")
+            if args.tie_embeddings:
+                distenv.fail("--tie-embeddings needs a model shape (--layers ...), not --params")
             try:
                 args.params = memory_model.parse_count(args.params)
             except ValueError as error:

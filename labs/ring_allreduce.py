@@ -232,14 +232,13 @@ def main():
     args = parse_args()
     with distenv.initialize(args) as env:
         metrics = {"correctness": []}
+        env.print0(f"ring all-reduce of float32, world size {env.world_size} ({env.backend})")
         for numel in args.numel:
             check = check_correctness(env, numel, args.seed, args.segment_bytes)
             metrics["correctness"].append(check)
-            env.print0(f"ring all-reduce of {numel} float32 at world size {env.world_size} "
-                       f"({env.backend}): max |ring - dist.all_reduce| = "
-                       f"{check['max_abs_err']:.2e}, rank 0 sent "
-                       f"{check['bytes_sent_per_rank']} bytes (predicted "
-                       f"{check['predicted_bytes_per_rank']})")
+            env.print0(f"{numel:>9,} elements: max |ring - library| {check['max_abs_err']:.1e}, "
+                       f"rank 0 sent {check['bytes_sent_per_rank']:,} B (predicted "
+                       f"{check['predicted_bytes_per_rank']:,})")
         if args.sizes:
             rows = sweep(env, args.sizes, args.repeats, args.segment_bytes)
             metrics["sweep"] = rows
@@ -263,7 +262,8 @@ def main():
                            f"{r['library_time_s'] * 1e3:>10.3f} {r['ring_busbw_gbps']:>11.3f} "
                            f"{r['library_busbw_gbps']:>10.3f} {r['ring_over_library_busbw']:>6.2f}")
             if metrics["alpha_s"] is not None:
-                env.print0(f"alpha-beta fit to dist.all_reduce: alpha = {metrics['alpha_s'] * 1e6:.1f} us, "
+                env.print0(f"alpha-beta fit to dist.all_reduce: alpha = "
+                           f"{metrics['alpha_s'] * 1e6:.1f} us, "
                            f"beta = {metrics['beta_bytes_per_s'] / 1e9:.3f} GB/s")
         env.write_result(args, metrics)
 

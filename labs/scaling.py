@@ -56,7 +56,7 @@ SCALINGS = ("strong", "weak")
 BATCH = 6              # strong: sequences in all (divides by N = 1, 2, 3); weak: per rank
 LEARNING_RATE = 0.1
 # timing
-STEPS = 10             # timed steps (also repeats of the compute and communication timings)
+STEPS = 8              # timed steps (also repeats of the compute and communication timings)
 WARMUP = 2             # untimed first steps: allocation, DDP's bucket rebuild, connections
 SWEEP_BYTES = (16 << 10, 256 << 10, 1 << 20, 4 << 20)  # all-reduce sizes for alpha-beta
 
@@ -188,6 +188,7 @@ def main():
     args = parse_args()
     with distenv.initialize(args) as env:
         check_batch(args, env.world_size)
+        env.print0(f"world size {env.world_size} ({env.backend})")
         link = fit_link(env, args.steps)
         runs = []
         for strategy in args.strategy:
@@ -198,14 +199,14 @@ def main():
                 else:
                     run = measure(strategy, scaling, args, env, link)
                 runs.append(run)
-                env.print0(f"{strategy}, {scaling} scaling, world size {env.world_size} "
-                           f"({env.backend}), {run['batch_per_rank']} sequences per rank: "
-                           f"step {run['step_time_s'] * 1e3:.2f} ms (IQR "
+                env.print0(f"{strategy}, {scaling} scaling, {run['batch_per_rank']} sequences "
+                           f"per rank:")
+                env.print0(f"  step {run['step_time_s'] * 1e3:.2f} ms (IQR "
                            f"{run['step_time_spread_s'] * 1e3:.2f}), "
-                           f"{run['samples_per_s']:.1f} samples/s")
+                           f"{run['samples_per_s']:.1f} samples/s, predicted "
+                           f"{run['predicted_step_time_s'] * 1e3:.2f} ms")
                 env.print0(f"  compute alone {run['compute_time_s'] * 1e3:.2f} ms, "
-                           f"communication alone {run['comm_time_s'] * 1e3:.2f} ms; "
-                           f"predicted {run['predicted_step_time_s'] * 1e3:.2f} ms")
+                           f"communication alone {run['comm_time_s'] * 1e3:.2f} ms")
         env.write_result(args, {
             "alpha_s": link[0], "beta_bytes_per_s": link[1],
             "param_count": sum(p.numel() for p in Transformer(SHAPE).parameters()),

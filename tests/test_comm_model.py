@@ -41,10 +41,25 @@ def test_ring_bytes_with_unequal_chunks_by_hand():
 
 def test_bus_bandwidth_factors():
     # 1 GB in 1 s on 8 ranks: all-reduce busbw = 2*7/8 GB/s, all-gather 7/8, broadcast 1
+    # (nccl-tests' doc/PERFORMANCE.md; alltoall's factor is (n-1)/n as for all-gather)
     assert comm_model.bus_bandwidth("all_reduce", 1e9, 1.0, 8) == pytest.approx(1.75e9)
     assert comm_model.bus_bandwidth("all_gather", 1e9, 1.0, 8) == pytest.approx(0.875e9)
     assert comm_model.bus_bandwidth("reduce_scatter", 1e9, 1.0, 8) == pytest.approx(0.875e9)
+    assert comm_model.bus_bandwidth("all_to_all", 1e9, 1.0, 8) == pytest.approx(0.875e9)
     assert comm_model.bus_bandwidth("broadcast", 1e9, 1.0, 8) == pytest.approx(1e9)
+    assert comm_model.bus_bandwidth("reduce", 1e9, 1.0, 8) == pytest.approx(1e9)
+
+
+def test_broadcast_and_reduce_have_a_root():
+    # a chain of 4: the root of a broadcast sends all of S, the last rank nothing; the
+    # mean over ranks is 3/4 S. The root of a reduce receives the sum and sends nothing.
+    assert comm_model.bytes_sent_by_root("broadcast", 8e9, 4) == 8e9
+    assert comm_model.bytes_sent_per_rank("broadcast", 8e9, 4) == pytest.approx(6e9)
+    assert comm_model.bytes_sent_by_root("reduce", 8e9, 4) == 0
+    assert comm_model.bytes_sent_per_rank("reduce", 8e9, 4) == pytest.approx(6e9)
+    assert comm_model.bytes_sent_by_root("broadcast", 8e9, 1) == 0
+    with pytest.raises(ValueError):
+        comm_model.bytes_sent_by_root("all_reduce", 8e9, 4)
 
 
 def test_alpha_beta_time_and_fit_recover_the_model():
@@ -126,3 +141,27 @@ def test_the_counter_adds_what_each_collective_sends():
     assert counter.sent == 30 + 30 + 18 + 6
     counter.reset()
     assert counter.sent == 0 and counter.counts == {}
+
+
+def test_zero1_in_torch_sends_half_as_much_again_as_the_papers():
+    # ZeroRedundancyOptimizer: DDP's all-reduce, then every partition broadcast: 3(N-1)/N;
+    # the paper's ZeRO-1 and ZeRO-2: a reduce-scatter and an all-gather, 2(N-1)/N like DDP.
+    psi, n = 1000, 4
+    ddp = comm_model.data_parallel_bytes_per_rank("ddp", psi, n)
+    assert comm_model.data_parallel_bytes_per_rank("zero1", psi, n) == ddp
+    assert comm_model.data_parallel_bytes_per_rank("zero2", psi, n) == ddp
+    assert comm_model.data_parallel_bytes_per_rank("zero1_torch", psi, n) == Fraction(3, 2) * ddp
+
+
+def test_bytes_per_network_card_by_hand():
+    # 7B parameters in bf16 on 16 nodes of 8: full sharding runs rings over all 128 GPUs,
+    # one channel per card; hybrid sharding all-reduces a 1/8 share across the 16 nodes.
+    s, g, m = 14e9, 8, 16
+    full = comm_model.internode_bytes_per_nic("full_shard", s, g, m)
+    hybrid = comm_model.internode_bytes_per_nic("hybrid_shard", s, g, m)
+    assert full == pytest.approx(3 * 127 / 128 * s / 8)
+    assert hybrid == pytest.approx(2 * 15 / 16 * s / 8)
+    assert full / hybrid == pytest.approx(1.5875)
+    assert comm_model.internode_bytes_per_nic("ddp", s, g, m) == hybrid
+    with pytest.raises(ValueError):
+        comm_model.internode_bytes_per_nic("zero2", s, g, m)

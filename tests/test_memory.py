@@ -29,6 +29,17 @@ def test_predict_reproduces_the_zero_paper(capsys):
     assert "120.00" in text and "31.41" in text and "16.64" in text and "1.88" in text
 
 
+def test_predict_counts_gpt2_with_its_tied_head(capsys):
+    gpt2 = ["--layers", "12", "--hidden", "768", "--heads", "12", "--seq", "1024",
+            "--vocab", "50257", "--precision", "fp32"]
+    memory.main(["predict", *gpt2, "--tie-embeddings", "--json"])
+    assert json.loads(capsys.readouterr().out)["ddp"]["params"] == 4 * 124_439_808
+    memory.main(["predict", *gpt2, "--tie-embeddings"])
+    assert "124,439,808 parameters" in capsys.readouterr().out
+    memory.main(["predict", *gpt2, "--json"])   # untied: 50,257 x 768 more
+    assert json.loads(capsys.readouterr().out)["ddp"]["params"] == 4 * (124_439_808 + 50257 * 768)
+
+
 def test_predict_from_a_shape_adds_activations(capsys):
     shape = ["--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "32", "--vocab", "100"]
     memory.main(["predict", *shape, "--batch", "3", "--gpus", "2", "--json"])
@@ -97,6 +108,7 @@ def test_several_simulated_worlds_share_one_process_and_one_result():
     (["predict"], "give --params P, or a model shape"),
     (["predict", "--layers", 2, "--hidden", 64], "needs --heads --seq --vocab as well"),
     (["predict", "--params", "7B", "--layers", 2], "not both"),
+    (["predict", "--params", "7B", "--tie-embeddings"], "--tie-embeddings needs a model shape"),
     (["measure", "--strategy", "zero4"], "invalid choice: 'zero4'"),
     (["measure"], "the following arguments are required: --strategy"),
     (["measure", "--strategy", "ddp", "--hidden", 100, "--heads", 3], "not divisible by --heads"),

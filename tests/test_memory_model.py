@@ -84,12 +84,22 @@ def test_checkpointing_keeps_layer_inputs_and_recomputes_one_layer():
     layer = memory_model.activation_bytes_per_layer(s, b, h, a)
     head = memory_model.head_activation_bytes(s, b, h, v)
     assert head == 2 * 2 * s * b * h + 4 * s * b * v
+    mask = s * b * h   # the embedding dropout's 1-byte mask (Korthikanti et al., 4.3)
+    assert memory_model.embedding_activation_bytes(s, b, h) == mask
     plain = memory_model.activation_bytes(layers, s, b, h, a, v)
-    assert plain == (layers * layer + head,) * 2
+    assert plain == (mask + layers * layer + head,) * 2
     kept, peak = memory_model.activation_bytes(layers, s, b, h, a, v, checkpointing=True)
-    assert kept == layers * 2 * s * b * h + head
-    assert peak == layers * 2 * s * b * h + max(layer, head)
+    assert kept == mask + layers * 2 * s * b * h + head
+    assert peak == mask + layers * 2 * s * b * h + max(layer, head)
     assert peak < plain[1]
+
+
+def test_without_dropout_there_is_no_embedding_mask():
+    s, b, h, a, v = 16, 2, 8, 2, 32
+    layer = memory_model.activation_bytes_per_layer(s, b, h, a, 4, dropout=False)
+    head = memory_model.head_activation_bytes(s, b, h, v, 4)
+    assert memory_model.embedding_activation_bytes(s, b, h, dropout=False) == 0
+    assert memory_model.activation_bytes(3, s, b, h, a, v, 4, dropout=False)[0] == 3 * layer + head
 
 
 @pytest.mark.parametrize("shape", [(5,), (7, 3), (2, 4), (1,), (1024, 6), ()])
@@ -176,3 +186,17 @@ def test_step_timeline_by_hand(n):
                for e in zero3 if e["point"] == "end")
     with pytest.raises(ValueError):
         memory_model.step_timeline("zero2", FSDP_UNITS, n)
+
+
+# Hugging Face's published parameter counts of GPT-2 (tied output head), by size:
+# (layers, hidden, count) with a 50,257-token vocabulary and 1,024 positions.
+GPT2 = {"small": (12, 768, 124_439_808), "medium": (24, 1024, 354_823_168),
+        "large": (36, 1280, 774_030_080), "xl": (48, 1600, 1_557_611_200)}
+
+
+@pytest.mark.parametrize("size", list(GPT2))
+def test_gpt2_parameter_counts_with_a_tied_head(size):
+    layers, hidden, count = GPT2[size]
+    assert memory_model.transformer_params(layers, hidden, 50257, 1024, tied_head=True) == count
+    # untied, the head adds V x h more
+    assert memory_model.transformer_params(layers, hidden, 50257, 1024) == count + 50257 * hidden

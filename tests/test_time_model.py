@@ -34,20 +34,40 @@ def test_bucket_layout_by_hand():
 
 @pytest.mark.skipif(not hasattr(dist, "_compute_bucket_assignment_by_size"),
                     reason="this torch does not expose DDP's bucket assignment")
-def test_bucket_layout_equals_ddps():
+@pytest.mark.parametrize("mixed_dtypes", [False, True])
+def test_bucket_layout_equals_ddps(mixed_dtypes):
     rng = random.Random(0)
+    kinds = [torch.float32, torch.bfloat16, torch.float64] if mixed_dtypes else [torch.float32]
     for _ in range(20):
         numels = [rng.choice([1, 10, 1000, 50_000, 300_000]) for _ in range(rng.randint(1, 30))]
+        dtypes = [rng.choice(kinds) for _ in numels]
         caps = (1 << 20, rng.choice([1 << 20, 2 << 20, 5 << 20]))
-        tensors = [torch.empty(n) for n in numels]
+        tensors = [torch.empty(n, dtype=d) for n, d in zip(numels, dtypes)]
         theirs, _ = dist._compute_bucket_assignment_by_size(tensors, list(caps))
-        assert time_model.bucket_layout([4 * n for n in numels], caps) == theirs
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        assert time_model.bucket_layout(sizes, caps, dtypes) == theirs
+
+
+def test_each_dtype_fills_buckets_of_its_own():
+    # fp32 tensors of 6 and 6 bytes close one bucket at cap 10; the bf16 one between them
+    # stays alone; buckets are listed by their first tensor
+    assert time_model.bucket_layout([6, 2, 6], (10,), ["f32", "bf16", "f32"]) == [[0, 2], [1]]
+    assert time_model.bucket_bytes([6, 2, 6], (10,), ["f32", "bf16", "f32"]) == [12, 2]
 
 
 def test_shard_collective_is_half_an_allreduce():
     alpha, beta = 1e-5, 1e9
     assert time_model.shard_collective_time(8e6, 4, alpha, beta) == pytest.approx(3e-5 + 6e-3)
     assert time_model.shard_collective_time(1e6, 1, alpha, beta) == 0
+
+
+def test_pipelined_hierarchical_allreduce_is_the_slower_level():
+    intra, inter = (1e-6, 100e9), (1e-5, 10e9)
+    inside = 2 * (1e-6 + 0.04)                         # 8 GB in nodes of 2, as below
+    across = 6e-5 + 0.6                                # 4 GB over 4 nodes
+    model = time_model.hierarchical_allreduce_time
+    assert model(8e9, 8, 2, intra, inter, pipelined=True) == pytest.approx(max(inside, across))
+    assert model(8e9, 8, 2, intra, inter, pipelined=True) < model(8e9, 8, 2, intra, inter)
 
 
 def test_hierarchical_allreduce_by_hand():

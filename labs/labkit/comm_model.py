@@ -15,6 +15,7 @@ BUSBW_FACTORS = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "all_gather": lambda n: (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0,
     "reduce": lambda n: 1.0,
 }
@@ -56,15 +57,20 @@ def ring_allreduce_bytes_sent(numel, world_size, rank, element_size=4):
 
 
 def bytes_sent_per_rank(op, bytes_, world_size):
-    """Bytes each rank sends in the bandwidth-optimal (ring or pipelined chain) algorithm.
+    """Bytes a rank sends in the bandwidth-optimal (ring or pipelined chain) algorithm, as
+    the mean over the ranks; for the symmetric collectives every rank sends the same.
 
     `bytes_` is the size of the full tensor: the input of all-reduce, reduce-scatter, reduce,
     broadcast and all-to-all, the output of all-gather. Divisible sizes assumed. A
     `fractions.Fraction` size gives an exact answer (the FSDP lab counts bytes with it).
+    Broadcast and reduce are not symmetric: in a pipelined chain every rank but the last
+    forwards S (broadcast: the root sends S, the last rank nothing), every rank but the
+    root sends its partial sum (reduce): the mean is (N-1)/N x S; bytes_sent_by_root
+    gives the root's own share.
     """
     n = world_size
     per_rank = {
-        "broadcast": bytes_ * (n - 1) / n,    # chain: all but the last forward S
+        "broadcast": bytes_ * (n - 1) / n,
         "reduce": bytes_ * (n - 1) / n,
         "all_reduce": bytes_ * 2 * (n - 1) / n,
         "reduce_scatter": bytes_ * (n - 1) / n,
@@ -74,19 +80,56 @@ def bytes_sent_per_rank(op, bytes_, world_size):
     return per_rank[op]
 
 
+def bytes_sent_by_root(op, bytes_, world_size):
+    """What the root of a pipelined chain sends: broadcast S (the whole tensor, once),
+    reduce nothing (it receives the sum). With one rank, nothing."""
+    if op not in ("broadcast", "reduce"):
+        raise ValueError(f"{op} has no root; every rank sends bytes_sent_per_rank")
+    return bytes_ if op == "broadcast" and world_size > 1 else 0 * bytes_
+
+
+def internode_bytes_per_nic(strategy, bytes_, gpus_per_node, nodes):
+    """Bytes each network card sends per training step of `bytes_` of parameters (or
+    gradients), on nodes of G GPUs with one card per GPU, as NCCL lays its rings out.
+
+    full_shard    ZeRO-3 over all N = G x M ranks: two all-gathers and a reduce-scatter.
+                  A ring through all ranks leaves each node once per channel, and NCCL
+                  runs one channel per card, so each card carries 1/G of a ring's
+                  traffic: 3 (N-1)/N x bytes / G.
+    hybrid_shard  ZeRO-3 inside each node (on NVLink), replicas across nodes: each GPU
+                  all-reduces its 1/G share of the gradients with the same local rank of
+                  the other nodes: 2 (M-1)/M x bytes / G.
+    ddp           the hierarchical all-reduce: the same 2 (M-1)/M x bytes / G.
+    """
+    g, m = gpus_per_node, nodes
+    n = g * m
+    if strategy == "full_shard":
+        return 3 * (n - 1) / n * bytes_ / g
+    if strategy in ("hybrid_shard", "ddp"):
+        return 2 * (m - 1) / m * bytes_ / g
+    raise ValueError(f"unknown strategy {strategy!r}; choose full_shard, hybrid_shard or ddp")
+
+
 # The collectives one data-parallel training step issues over the whole parameter set:
-# DDP all-reduces the gradients once; ZeRO-3 gathers the parameters for forward and again
-# for backward, and reduce-scatters the gradients.
+# DDP all-reduces the gradients once. The ZeRO paper's stages 1 and 2 reduce-scatter the
+# gradients and all-gather the updated parameters: DDP's volume. torch's
+# ZeroRedundancyOptimizer (its ZeRO-1) keeps DDP's all-reduce and then broadcasts each
+# rank's updated partition: 1.5 times. ZeRO-3 gathers the parameters for forward and again
+# for backward, and reduce-scatters the gradients: 1.5 times.
 DATA_PARALLEL_COLLECTIVES = {
     "ddp": ("all_reduce",),
+    "zero1": ("reduce_scatter", "all_gather"),
+    "zero2": ("reduce_scatter", "all_gather"),
+    "zero1_torch": ("all_reduce", "broadcast"),
     "zero3": ("all_gather", "all_gather", "reduce_scatter"),
 }
 
 
 def data_parallel_bytes_per_rank(strategy, numel, world_size, value_bytes=4):
-    """Bytes each rank sends in one training step of `numel` parameters, exactly (a
-    Fraction): DDP 2(N-1)/N x numel x b; ZeRO-3 3(N-1)/N x numel x b, where numel is the
-    padded count its equal shards need (memory_model.padded_numel)."""
+    """Bytes a rank sends in one training step of `numel` parameters, exactly (a Fraction),
+    mean over ranks: DDP and the paper's ZeRO-1/2 2(N-1)/N x numel x b; ZeRO-3 and torch's
+    ZeroRedundancyOptimizer 3(N-1)/N x numel x b. For ZeRO-3 numel is the padded count its
+    equal shards need (memory_model.padded_numel)."""
     size = Fraction(numel * value_bytes)
     return sum(bytes_sent_per_rank(op, size, world_size)
                for op in DATA_PARALLEL_COLLECTIVES[strategy])

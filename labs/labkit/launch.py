@@ -41,13 +41,24 @@ class LabError(RuntimeError):
         self.output = output
 
 
-def reader_command(lab, nproc, args=()):
-    """The command a reader would type for the same run, from the repository root."""
+def reader_command(lab, nproc, args=(), width=88):
+    """The command a reader would type for the same run, from the repository root; past
+    `width` characters it continues on the next line (a backslash), so a page shows it
+    whole."""
     if nproc is None:
-        return shlex.join(["python", f"labs/{lab}.py", *map(str, args)])
-    words = ["torchrun", "--standalone", f"--nproc_per_node={nproc}", f"labs/{lab}.py",
-             *map(str, args)]
-    return shlex.join(words)
+        words = ["python", f"labs/{lab}.py", *map(str, args)]
+    else:
+        words = ["torchrun", "--standalone", f"--nproc_per_node={nproc}", f"labs/{lab}.py",
+                 *map(str, args)]
+    lines, line = [], []
+    for word in map(shlex.quote, words):
+        # an option and its value stay together: break before an option only
+        if line and word.startswith("-") and len(" ".join(line + [word])) > width - 4:
+            lines.append(" ".join(line))
+            line = []
+        line.append(word)
+    lines.append(" ".join(line))
+    return " \\\n    ".join(lines)
 
 
 def run_lab(lab, nproc=1, args=(), *, timeout=LAUNCH_TIMEOUT_S, echo=True):

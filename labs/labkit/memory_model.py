@@ -64,6 +64,24 @@ def state_bytes_per_gpu(params, gpus, strategy, optimizer="adam", precision="mix
     return {name: _whole_if_integral(value) for name, value in result.items()}
 
 
+def zero_offload_gpu_bytes(params, gpus, stage, largest_layer_params=0):
+    """Bytes of model states one GPU keeps under ZeRO-Offload (Ren et al., 2021), with
+    mixed-precision Adam: the gradients, the fp32 master weights and Adam's two buffers
+    live in host memory, and the optimizer steps on the CPU.
+
+    stage 2  every 16-bit weight on every GPU:                    2 psi
+    stage 3  its 1/N shard of them, and one layer gathered at a time with that layer's
+             16-bit gradients:                                     2 psi / N + 4 x largest layer
+    These are DeepSpeed's own estimates (estimate_zero2/3_model_states_mem_needs with
+    cpu_offload=True, parameters on the GPU).
+    """
+    if stage == 2:
+        return 2 * params
+    if stage == 3:
+        return _whole_if_integral(2 * params / gpus) + 4 * largest_layer_params
+    raise ValueError(f"ZeRO-Offload is defined for stages 2 and 3, not {stage!r}")
+
+
 def transformer_params(layers, hidden, vocab, seq, tied_head=False):
     """Parameters of a GPT-style transformer (labs/transformer.py).
 
@@ -93,9 +111,15 @@ def activation_bytes_per_layer(seq, batch, hidden, heads, value_bytes=2, dropout
     return value_bytes * values + masks
 
 
+def embedding_activation_bytes(seq, batch, hidden, dropout=True):
+    """Bytes the embedding keeps: the 1-byte mask of the dropout after it (s*b*h), with
+    dropout; nothing without (a lookup needs no saved input but the ids)."""
+    return seq * batch * hidden if dropout else 0
+
+
 def head_activation_bytes(seq, batch, hidden, vocab, value_bytes=2):
-    """Bytes kept outside the layers: the final LayerNorm's input and output (2 sbh values)
-    and the softmax of the logits for the loss, s*b*V values in fp32 (4 bytes each)."""
+    """Bytes the head keeps: the final LayerNorm's input and output (2 sbh values) and the
+    softmax of the logits for the loss, s*b*V values in fp32 (4 bytes each)."""
     return value_bytes * 2 * seq * batch * hidden + 4 * seq * batch * vocab
 
 
@@ -104,17 +128,18 @@ def activation_bytes(layers, seq, batch, hidden, heads, vocab, value_bytes=2, dr
     """(end_of_forward, peak): activation bytes of the whole model for one micro-batch.
 
     Without checkpointing, every layer keeps its activations until its backward: the
-    peak is at the end of the forward pass, L layers plus the head. With full activation
-    checkpointing each layer keeps only its input (s b h values) and recomputes the rest
-    during backward, one layer at a time: the peak is the kept inputs plus the larger of
-    one layer's activations and the head's.
+    peak is at the end of the forward pass, the embedding's dropout mask, L layers and the
+    head. With full activation checkpointing each layer keeps only its input (s b h values)
+    and recomputes the rest during backward, one layer at a time: the peak is the kept
+    inputs and mask plus the larger of one layer's activations and the head's.
     """
     one_layer = activation_bytes_per_layer(seq, batch, hidden, heads, value_bytes, dropout)
+    embedding = embedding_activation_bytes(seq, batch, hidden, dropout)
     head = head_activation_bytes(seq, batch, hidden, vocab, value_bytes)
     if not checkpointing:
-        total = layers * one_layer + head
+        total = embedding + layers * one_layer + head
         return total, total
-    kept = layers * value_bytes * seq * batch * hidden
+    kept = embedding + layers * value_bytes * seq * batch * hidden
     return kept + head, kept + max(one_layer, head)
 
 

@@ -33,28 +33,39 @@ def amdahl_speedup(world_size, serial_fraction):
     return 1.0 / (serial_fraction + (1.0 - serial_fraction) / world_size)
 
 
-def bucket_layout(sizes_bytes, caps_bytes=(FIRST_BUCKET_BYTES, DEFAULT_BUCKET_BYTES)):
+def bucket_layout(sizes_bytes, caps_bytes=(FIRST_BUCKET_BYTES, DEFAULT_BUCKET_BYTES),
+                  dtypes=None):
     """Group tensors into buckets the way DDP does; returns lists of indices into sizes_bytes.
 
     Tensors are taken in the order given (DDP passes its parameters last-first, the order
-    in which backward produces their gradients). A bucket closes as soon as it holds at
-    least its cap; bucket k has cap caps_bytes[k], and the last cap repeats.
+    in which backward produces their gradients). A bucket holds one dtype only (a bucket
+    is one flat buffer): each dtype (`dtypes`, one per tensor; all alike if None) fills
+    buckets of its own. A bucket closes as soon as it holds at least its cap; a dtype's
+    k-th bucket has cap caps_bytes[k], and the last cap repeats. The buckets are listed by
+    the first tensor each holds.
+
+    This is the layout DDP builds after its first iteration, from the order in which the
+    gradients arrived. The first iteration runs with a single bucket (unless
+    find_unused_parameters=True), since the order is not known yet.
     """
-    buckets, current, filled = [], [], 0
-    for index, size in enumerate(sizes_bytes):
-        current.append(index)
-        filled += size
-        if filled >= caps_bytes[min(len(buckets), len(caps_bytes) - 1)]:
+    dtypes = dtypes or [None] * len(sizes_bytes)
+    buckets, open_buckets = [], {}   # dtype -> (indices, bytes filled, buckets closed)
+    for index, (size, dtype) in enumerate(zip(sizes_bytes, dtypes)):
+        current, filled, closed = open_buckets.get(dtype, ([], 0, 0))
+        current, filled = current + [index], filled + size
+        if filled >= caps_bytes[min(closed, len(caps_bytes) - 1)]:
             buckets.append(current)
-            current, filled = [], 0
-    if current:
-        buckets.append(current)
-    return buckets
+            current, filled, closed = [], 0, closed + 1
+        open_buckets[dtype] = (current, filled, closed)
+    buckets += [current for current, _, _ in open_buckets.values() if current]
+    return sorted(buckets, key=lambda bucket: bucket[0])
 
 
-def bucket_bytes(sizes_bytes, caps_bytes=(FIRST_BUCKET_BYTES, DEFAULT_BUCKET_BYTES)):
+def bucket_bytes(sizes_bytes, caps_bytes=(FIRST_BUCKET_BYTES, DEFAULT_BUCKET_BYTES),
+                 dtypes=None):
     """Bytes in each of DDP's buckets, in the order they are all-reduced."""
-    return [sum(sizes_bytes[i] for i in bucket) for bucket in bucket_layout(sizes_bytes, caps_bytes)]
+    return [sum(sizes_bytes[i] for i in bucket)
+            for bucket in bucket_layout(sizes_bytes, caps_bytes, dtypes)]
 
 
 def shard_collective_time(bytes_, world_size, alpha_s, beta_bytes_per_s):
@@ -64,7 +75,8 @@ def shard_collective_time(bytes_, world_size, alpha_s, beta_bytes_per_s):
     return (n - 1) * alpha_s + (n - 1) / n * bytes_ / beta_bytes_per_s
 
 
-def hierarchical_allreduce_time(bytes_, world_size, gpus_per_node, intra, inter):
+def hierarchical_allreduce_time(bytes_, world_size, gpus_per_node, intra, inter,
+                                pipelined=False):
     """Alpha-beta model of a two-level all-reduce over nodes of `gpus_per_node` GPUs.
 
     `intra` and `inter` are (alpha_s, beta_bytes_per_s) of the links inside a node and
@@ -73,6 +85,10 @@ def hierarchical_allreduce_time(bytes_, world_size, gpus_per_node, intra, inter)
     on the other nodes (G all-reduces side by side, one network card each), then a ring
     all-gather inside the node. The data crosses the slow network once, divided by G.
     Across nodes the faster of ring and tree is taken, as NCCL chooses between them.
+
+    pipelined=False runs the three phases one after the other (an upper bound).
+    pipelined=True lets them overlap, chunk by chunk, as NCCL's rings and trees do for
+    large messages: the time is that of the slower level (a lower bound).
     """
     g = gpus_per_node
     if world_size <= g:
@@ -83,7 +99,7 @@ def hierarchical_allreduce_time(bytes_, world_size, gpus_per_node, intra, inter)
     nodes, share = world_size // g, bytes_ / g
     across = min(comm_model.allreduce_time(share, nodes, *inter),
                  comm_model.tree_allreduce_time(share, nodes, *inter))
-    return inside + across
+    return max(inside, across) if pipelined else inside + across
 
 
 def delay_s(bytes_, world_size, ns_per_byte, op="all_reduce"):
