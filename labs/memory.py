@@ -51,6 +51,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from labkit import distenv, memory_model
+from labkit.activations import count_activation_bytes
 from labkit.strategies import apply_ddp, apply_fsdp, rank_batch
 from labkit.transformer import Shape, Transformer, next_token_loss, random_batch
 
@@ -78,37 +79,6 @@ def local_bytes(tensors):
         local = t.to_local() if isinstance(t, DTensor) else t
         total += local.numel() * local.element_size()
     return total
-
-
-def count_activation_bytes(model, ids, targets):
-    """Bytes autograd keeps for backward in one forward pass: {block index or 'outside': bytes}.
-
-    Every tensor saved for backward passes through the pack hook; each storage is counted
-    once (Q, K and V share one), and parameters and buffers are not activations.
-    """
-    module_state = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
-    owner, kept = ["outside"], {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in module_state:
-            kept.setdefault(storage.data_ptr(), (owner[0], storage.nbytes()))
-        return tensor
-
-    handles = []
-    for index, block in enumerate(model.blocks):
-        handles.append(block.register_forward_pre_hook(
-            lambda module, inputs, index=index: owner.__setitem__(0, index)))
-        handles.append(block.register_forward_hook(
-            lambda module, inputs, output: owner.__setitem__(0, "outside")))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        next_token_loss(model(ids), targets)  # the graph keeps every saved tensor alive
-    for handle in handles:
-        handle.remove()
-    by_owner = {}
-    for who, nbytes in kept.values():
-        by_owner[who] = by_owner.get(who, 0) + nbytes
-    return by_owner
 
 
 def wrap(model, strategy, env, optimizer_name):
@@ -211,7 +181,7 @@ def model_facts(args, env):
     model = Transformer(shape).to(env.device)
     ids, targets = random_batch(shape, args.batch, distenv.generator(args.seed, "activations"),
                                 env.device)
-    kept = count_activation_bytes(model, ids, targets)
+    kept = count_activation_bytes(model, lambda: next_token_loss(model(ids), targets))
     value_bytes = 4  # fp32 activations, no dropout in this model
     return {
         "optimizer": args.optimizer, "precision": PRECISION,

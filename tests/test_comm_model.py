@@ -165,3 +165,38 @@ def test_bytes_per_network_card_by_hand():
     assert comm_model.internode_bytes_per_nic("ddp", s, g, m) == hybrid
     with pytest.raises(ValueError):
         comm_model.internode_bytes_per_nic("zero2", s, g, m)
+
+
+def test_tensor_parallel_collectives_are_megatrons_four_per_layer():
+    layers, seq, batch, hidden, t = 3, 16, 2, 8, 4
+    sbh = seq * batch * hidden
+    plan = comm_model.tensor_parallel_collectives(layers, seq, batch, hidden, t)
+    # per layer 2 forward (g) and 2 backward (f); the embedding's g and the head's f; the
+    # cross-entropy's three all-reduces of one value per token
+    assert plan == [("all_reduce", sbh)] * (4 * layers + 2) + [("all_reduce", seq * batch)] * 3
+    buggy = comm_model.tensor_parallel_collectives(layers, seq, batch, hidden, t,
+                                                   f_backward=False)
+    assert len(buggy) == 2 * layers + 1 + 3
+
+
+def test_sequence_parallel_f_and_g_send_what_the_all_reduces_sent():
+    layers, seq, batch, hidden = 2, 12, 1, 6
+    sbh = seq * batch * hidden
+    for t in (2, 3, 4):
+        tp = comm_model.torch_tensor_parallel_collectives(layers, seq, batch, hidden, t)
+        sp = comm_model.torch_tensor_parallel_collectives(layers, seq, batch, hidden, t, True)
+        tp_sent = comm_model.collectives_summary(tp, t)[0]
+        sp_activations = [(op, n) for op, n in sp if n == sbh]
+        # the same volume per layer, plus the head's gather and the first block's split
+        assert comm_model.collectives_summary(sp_activations, t)[0] == tp_sent + 2 * Fraction(
+            (t - 1) * sbh * 4, t)
+        # the LayerNorms' partial gradients: 4 vectors of h per layer, all-reduced
+        assert [op for op, n in sp if n == hidden] == ["all_reduce"] * 4 * layers
+    assert comm_model.torch_tensor_parallel_collectives(layers, seq, batch, hidden, 1) == []
+
+
+def test_collectives_summary_counts_and_sums_exactly():
+    plan = [("all_reduce", 10), ("all_gather", 10), ("all_reduce", 3)]
+    sent, counts = comm_model.collectives_summary(plan, 3, value_bytes=2)
+    assert counts == {"all_reduce": 2, "all_gather": 1}
+    assert sent == Fraction(2 * 2 * 20, 3) + Fraction(20 * 2, 3) + Fraction(2 * 2 * 6, 3)

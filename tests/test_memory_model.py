@@ -200,3 +200,43 @@ def test_gpt2_parameter_counts_with_a_tied_head(size):
     assert memory_model.transformer_params(layers, hidden, 50257, 1024, tied_head=True) == count
     # untied, the head adds V x h more
     assert memory_model.transformer_params(layers, hidden, 50257, 1024) == count + 50257 * hidden
+
+
+def test_tensor_parallel_activations_are_korthikantis_formulas():
+    s, b, h, a = 2048, 1, 12288, 96   # GPT-3 175B's layer (Korthikanti et al. 2022, Table 2)
+    sbh, attention = s * b * h, 5 * a * s * s * b
+    assert memory_model.tensor_parallel_activation_bytes_per_layer(s, b, h, a, 1) == \
+        memory_model.activation_bytes_per_layer(s, b, h, a)
+    for t in (2, 4, 8):
+        tp = memory_model.tensor_parallel_activation_bytes_per_layer(s, b, h, a, t)
+        sp = memory_model.tensor_parallel_activation_bytes_per_layer(s, b, h, a, t, True)
+        assert tp == sbh * (10 + 24 / t) + attention / t
+        assert sp == (34 * sbh + attention) / t
+        kept = memory_model.tensor_parallel_activation_bytes_per_layer(
+            s, b, h, a, t, True, gathered_inputs_kept=True)
+        assert kept - sp == 2 * 2 * sbh * (t - 1) / t
+
+
+def test_tensor_parallel_parameters_per_rank():
+    layers, h, vocab, seq = 3, 24, 60, 10
+    psi = memory_model.transformer_params(layers, h, vocab, seq)
+    assert memory_model.tensor_parallel_params_per_rank(layers, h, vocab, seq, 1) == psi
+    for t in (2, 3, 4):
+        split = memory_model.tensor_parallel_params_per_rank(layers, h, vocab, seq, t)
+        whole_vocab = memory_model.tensor_parallel_params_per_rank(layers, h, vocab, seq, t,
+                                                                   vocab_parallel=False)
+        replicated = layers * 6 * h + seq * h + 2 * h
+        assert t * split == psi + (t - 1) * replicated
+        assert whole_vocab - split == 2 * vocab * h * (t - 1) / t
+
+
+def test_layernorm_statistics_are_what_a_layernorm_saves():
+    seq, batch, h = 7, 3, 16
+    norm, saved = torch.nn.LayerNorm(h), []
+    x = torch.randn(batch, seq, h, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        norm(x)
+    statistics = sum(t.numel() * t.element_size() for t in saved
+                     if t.shape != x.shape and t.dim() > 1)   # the mean and 1/std
+    assert statistics == memory_model.layer_norm_statistics_bytes(seq, batch, norms=1)
+    assert memory_model.layer_norm_statistics_bytes(seq, batch, tokens_split=3) == 2 * 8 * 7

@@ -118,3 +118,15 @@ def test_compute_time_from_flops():
     # 1e9 parameters, 1000 tokens: 2e12 FLOPs forward, 4e12 backward; at 1e15 x 0.5
     forward, backward = time_model.compute_time_from_flops(1e9, 1000, 1e15, 0.5)
     assert (forward, backward) == (pytest.approx(4e-3), pytest.approx(8e-3))
+
+
+def test_layer_flops_are_what_torchs_flop_counter_counts():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from labkit.transformer import Block, Shape
+    shape, batch = Shape(layers=1, hidden=32, heads=4, seq=12, vocab=10), 3
+    block = Block(shape)
+    with FlopCounterMode(display=False) as counter:
+        block(torch.randn(batch, shape.seq, shape.hidden))
+    assert counter.get_total_flops() == time_model.layer_forward_flops(shape.seq, batch,
+                                                                        shape.hidden)

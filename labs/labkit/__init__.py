@@ -5,6 +5,8 @@
                  choice, per-rank seeds, metadata, the atomic JSON result, one-line errors
   launch         run_lab: a lab under torchrun from a notebook or a test, its JSON back
   timing         timing a distributed operation honestly (barrier, sync, slowest rank)
+  activations    the bytes autograd keeps for backward, counted by block
+  collectives    the collectives a step issues, counted as torch's dispatcher sees them
   strategies     how a model is wrapped and trained: apply_ddp, apply_fsdp, train_step,
                  the FSDP family's settings and its per-rank batches
   transformer    the course's small GPT-style model, every tensor countable

@@ -135,6 +135,73 @@ def data_parallel_bytes_per_rank(strategy, numel, world_size, value_bytes=4):
                for op in DATA_PARALLEL_COLLECTIVES[strategy])
 
 
+def tensor_parallel_collectives(layers, seq, batch, hidden, tp, sequence_parallel=False,
+                                f_backward=True):
+    """[(op, elements of the full tensor)] one training step (forward, backward and the
+    optimizer's step) of the course's transformer issues when it is split tp ways as in
+    Megatron-LM, its vocabulary included.
+
+    Per layer, with activations of s*b*h elements:
+      tensor parallel    forward: g after the attention's and after the MLP's row-parallel
+                         linear, an all-reduce each; backward: f before their column-parallel
+                         linears, an all-reduce each (f_backward=False leaves them out: a bug)
+      sequence parallel  g becomes a reduce-scatter and f an all-gather, and their backward
+                         the other way round; the column-parallel linears keep only their
+                         1/t of the input and gather it again in backward for the weight's
+                         gradient: one all-gather more each. The replicated parameters that
+                         now see 1/t of the tokens (LayerNorms, the row-parallel biases, the
+                         positions) have their gradients all-reduced, in one buffer per step.
+    Outside the layers: the vocab-parallel embedding reduces its output like g (all-reduce,
+    or reduce-scatter); the head, a column-parallel linear over the vocabulary, has an f
+    before it (an all-gather, gathered again in backward, with sequence parallelism); the
+    vocab-parallel cross-entropy all-reduces the logits' maximum, the sum of their
+    exponentials and the target's logit, s*b elements each.
+    """
+    sbh, sb = seq * batch * hidden, seq * batch
+    if not sequence_parallel:
+        per_layer = [("all_reduce", sbh)] * (4 if f_backward else 2)
+        outside = [("all_reduce", sbh)] * (2 if f_backward else 1)
+    else:
+        per_layer = [("all_gather", sbh), ("reduce_scatter", sbh)] * 2   # f and g, forward
+        per_layer += [("reduce_scatter", sbh), ("all_gather", sbh)] * 2  # their backward
+        per_layer += [("all_gather", sbh)] * 2                           # inputs again
+        outside = [("reduce_scatter", sbh), ("all_gather", sbh)]         # embedding
+        outside += [("all_gather", sbh), ("reduce_scatter", sbh), ("all_gather", sbh)]  # head
+        outside += [("all_reduce", layers * 6 * hidden + seq * hidden + 2 * hidden)]
+    return per_layer * layers + outside + [("all_reduce", sb)] * 3
+
+
+def torch_tensor_parallel_collectives(layers, seq, batch, hidden, tp, sequence_parallel=False):
+    """[(op, elements)] one training step issues under torch's tensor parallelism (DTensor,
+    strategies.apply_tp): the blocks split as in Megatron-LM, embedding and head replicated.
+
+    tensor parallel    per layer, 2 all-reduces forward (row-parallel outputs) and 2
+                       backward (gradients of the column-parallel inputs), of s*b*h each
+    sequence parallel  per layer 4 all-gathers and 4 reduce-scatters of s*b*h, forward and
+                       backward; the gathered inputs are kept, not gathered again. The
+                       LayerNorms' gradients are partial sums, each reduced (4 all-reduces
+                       of h per layer) when the optimizer steps. Outside: the first block's
+                       input is split (its gradient gathered) and the head's gathered.
+    On a mesh of one rank DTensor issues nothing.
+    """
+    if tp == 1:
+        return []
+    sbh = seq * batch * hidden
+    if not sequence_parallel:
+        return [("all_reduce", sbh)] * (4 * layers)
+    per_layer = [("all_gather", sbh), ("reduce_scatter", sbh)] * 4 + [("all_reduce", hidden)] * 4
+    return per_layer * layers + [("all_gather", sbh)] * 2
+
+
+def collectives_summary(plan, world_size, value_bytes=4):
+    """(bytes a rank sends, exactly, as a Fraction; {op: count}) for [(op, elements)]."""
+    sent, counts = Fraction(0), {}
+    for op, numel in plan:
+        sent += bytes_sent_per_rank(op, Fraction(numel * value_bytes), world_size)
+        counts[op] = counts.get(op, 0) + 1
+    return sent, counts
+
+
 class CollectiveCounter:
     """The collectives this rank issued, counted as they are issued: how many of each op,
     and the bytes it sent in them under the ring algorithms (exactly, as a Fraction)."""
@@ -148,8 +215,11 @@ class CollectiveCounter:
 
     def add(self, op, tensor):
         """Count one `op` on `tensor` (the full tensor: see bytes_sent_per_rank)."""
-        size = Fraction(tensor.numel() * tensor.element_size())
-        self.sent += bytes_sent_per_rank(op, size, self.world_size)
+        self.add_bytes(op, tensor.numel() * tensor.element_size())
+
+    def add_bytes(self, op, nbytes):
+        """Count one `op` on a full tensor of `nbytes` bytes."""
+        self.sent += bytes_sent_per_rank(op, Fraction(nbytes), self.world_size)
         self.counts[op] = self.counts.get(op, 0) + 1
 
 

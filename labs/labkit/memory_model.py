@@ -111,10 +111,61 @@ def activation_bytes_per_layer(seq, batch, hidden, heads, value_bytes=2, dropout
     return value_bytes * values + masks
 
 
+def layer_norm_statistics_bytes(seq, batch, norms=2, tokens_split=1):
+    """Bytes of the statistics LayerNorm keeps for backward besides its input: a mean and
+    a 1/std per token, fp32, for each of `norms` norms (2 per layer) over the s*b tokens,
+    or the 1/tokens_split of them a sequence-parallel rank normalises. Korthikanti et al.'s
+    count leaves them out as small; a measurement finds them."""
+    return norms * 2 * 4 * seq * batch // tokens_split
+
+
 def embedding_activation_bytes(seq, batch, hidden, dropout=True):
     """Bytes the embedding keeps: the 1-byte mask of the dropout after it (s*b*h), with
     dropout; nothing without (a lookup needs no saved input but the ids)."""
     return seq * batch * hidden if dropout else 0
+
+
+def tensor_parallel_activation_bytes_per_layer(seq, batch, hidden, heads, tp,
+                                              sequence_parallel=False, value_bytes=2,
+                                              dropout=True, gathered_inputs_kept=False):
+    """Bytes one layer keeps for backward on each of tp ranks (Korthikanti et al., 2022):
+    with 16-bit values and dropout, s b h (10 + 24/t + 5 a s/(h t)) with tensor
+    parallelism, s b h (34/t + 5 a s/(h t)) with sequence parallelism too.
+
+    Split across the ranks: Q, K and V, the attention's output, the GELU's input and output
+    (12 s b h values) and the attention matrix, whose heads are divided among the ranks.
+    Replicated on every rank unless sequence parallelism splits the tokens: the inputs of
+    both LayerNorms and of the two column-parallel linears (4 s b h values) and the masks
+    of the two dropouts after the row-parallel linears (2 s b h bytes). At tp = 1 this is
+    activation_bytes_per_layer.
+
+    Under sequence parallelism Megatron-LM keeps only its 1/t of a column-parallel linear's
+    input and gathers it again in backward. torch's SequenceParallel plan keeps the gathered
+    input: gathered_inputs_kept=True counts those two inputs whole, 2 s b h (1 - 1/t)
+    values more.
+    """
+    sbh, as2b = seq * batch * hidden, heads * seq ** 2 * batch
+    replicated_split = tp if sequence_parallel else 1
+    values = (4 * sbh / replicated_split + 12 * sbh / tp
+              + (as2b + (as2b if dropout else 0)) / tp)
+    if sequence_parallel and gathered_inputs_kept:
+        values += 2 * sbh * (1 - 1 / tp)
+    masks = (2 * sbh / replicated_split + as2b / tp) if dropout else 0
+    return _whole_if_integral(value_bytes * values + masks)
+
+
+def tensor_parallel_params_per_rank(layers, hidden, vocab, seq, tp, vocab_parallel=True):
+    """Parameters each of tp ranks holds of the course's transformer split as in Megatron-LM.
+
+    Per layer, split: QKV's and fc1's weights and biases (column-parallel) and the weights
+    of proj and fc2 (row-parallel): 12 h^2 + 7 h over t. Replicated: the two LayerNorms and
+    the row-parallel biases, which are added once the partial sums are reduced: 6 h.
+    Outside: the token embedding and the head split by vocabulary (vocab_parallel) or
+    replicated, the positions and the final LayerNorm replicated.
+    """
+    per_layer = (12 * hidden ** 2 + 7 * hidden) / tp + 6 * hidden
+    vocabulary = 2 * vocab * hidden / (tp if vocab_parallel else 1)
+    return _whole_if_integral(layers * per_layer + vocabulary + seq * hidden + 2 * hidden)
 
 
 def head_activation_bytes(seq, batch, hidden, vocab, value_bytes=2):

@@ -3,6 +3,8 @@ pattern of torchtitan's parallelize_* functions).
 
   apply_ddp       DistributedDataParallel, on the rank's own GPU when there is one
   apply_fsdp      FSDP2: fully_shard on every unit (embedding, each block, head), then the root
+  apply_tp        torch's tensor parallelism (DTensor) on every block, with or without
+                  sequence parallelism; qkv_rows_of_rank says which rows hold a rank's heads
   train_step      forward, next-token loss, backward, optimizer step, gradients zeroed
   TorchDDP        torch's DDP with its optimizer, stepped as one: the reference that the
                   labs' own data-parallel implementations are checked and timed against
@@ -42,6 +44,61 @@ def apply_fsdp(model, reshard_after_forward=True, **options):
     for unit in model.units():
         fully_shard(unit, reshard_after_forward=reshard_after_forward, **options)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **options)
+    return model
+
+
+def qkv_rows_of_rank(hidden, heads, rank, tp):
+    """Rows of the fused [Q; K; V] weight (3h x h) that hold rank `rank`'s heads: the same
+    heads' rows of Q, of K and of V. Cutting the fused weight into t blocks of contiguous
+    rows instead would give rank 0 part of Q's heads and none of their K or V."""
+    if heads % tp:
+        raise ValueError(f"{heads} heads do not split over {tp} ranks")
+    width = hidden // tp   # heads / tp heads, hidden / heads rows each
+    return torch.cat([part * hidden + torch.arange(rank * width, (rank + 1) * width)
+                      for part in range(3)])
+
+
+def group_qkv_by_rank(model, tp):
+    """Reorder every block's fused QKV rows to [Q_0 K_0 V_0 | Q_1 K_1 V_1 | ...], so that
+    torch's split into t contiguous blocks gives each rank whole heads. Returns the order
+    (new row i is old row order[i]), to put a trained weight back."""
+    h, heads = model.shape.hidden, model.shape.heads
+    order = torch.cat([qkv_rows_of_rank(h, heads, r, tp) for r in range(tp)])
+    with torch.no_grad():
+        for block in model.blocks:
+            block.qkv.weight.copy_(block.qkv.weight[order])
+            block.qkv.bias.copy_(block.qkv.bias[order])
+    return order
+
+
+def apply_tp(model, mesh, sequence_parallel=False):
+    """torch's tensor parallelism on each block (torchtitan's plan for a transformer block,
+    on this model): QKV and fc1 column-parallel, proj and fc2 row-parallel, on a 1-D device
+    mesh; group_qkv_by_rank must have run first. With sequence_parallel the LayerNorms and
+    the residual stream hold 1/t of the tokens: the first block's input is split, the
+    head's input gathered. Embedding and head stay replicated. Returns the model."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                                   RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+    for block in model.blocks:
+        if sequence_parallel:
+            plan = {"norm1": SequenceParallel(use_local_output=True),
+                    "qkv": ColwiseParallel(input_layouts=Shard(1)),
+                    "proj": RowwiseParallel(output_layouts=Shard(1)),
+                    "norm2": SequenceParallel(use_local_output=True),
+                    "fc1": ColwiseParallel(input_layouts=Shard(1)),
+                    "fc2": RowwiseParallel(output_layouts=Shard(1))}
+        else:
+            plan = {"qkv": ColwiseParallel(), "proj": RowwiseParallel(),
+                    "fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+        parallelize_module(block, mesh, plan)
+    if sequence_parallel:
+        parallelize_module(model, mesh, {
+            "blocks.0": PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Shard(1),
+                                           use_local_output=True),
+            "head": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate(),
+                                       use_local_output=True)})
     return model
 
 

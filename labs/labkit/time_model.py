@@ -1,5 +1,6 @@
 """Time cost models: speedup and efficiency, Amdahl's law, DDP's gradient buckets, and the
-step time of data-parallel training from its compute time and the alpha-beta model.
+step time of data-parallel training from its compute time and the alpha-beta model, and the
+FLOPs of a transformer layer.
 
 Pure functions, no process group: the scaling chapter computes its predictions with them,
 the labs use them for the same numbers, and the tests check them against hand arithmetic.
@@ -148,3 +149,11 @@ def compute_time_from_flops(params, tokens, peak_flops, utilization):
     rate = peak_flops * utilization
     return forward_flops / rate, 2 * forward_flops / rate
 
+
+
+def layer_forward_flops(seq, batch, hidden):
+    """FLOPs of one transformer layer's forward pass (Narayanan et al., 2021): 24 b s h^2
+    in its four weight multiplications (QKV 6, the output projection 2, the MLP's two 16)
+    and 4 b s^2 h in attention's two (Q K^T, and the weights times V). Backward costs
+    twice the forward; tensor parallelism divides both by t."""
+    return 24 * batch * seq * hidden ** 2 + 4 * batch * seq ** 2 * hidden

@@ -52,7 +52,7 @@ class Block(nn.Module):
     def __init__(self, shape):
         super().__init__()
         h = shape.hidden
-        self.heads = shape.heads
+        self.head_dim = h // shape.heads
         self.norm1 = nn.LayerNorm(h)
         self.qkv = nn.Linear(h, 3 * h)
         self.proj = nn.Linear(h, h)
@@ -63,12 +63,15 @@ class Block(nn.Module):
         self.register_buffer("future", causal, persistent=False)
 
     def forward(self, x):
-        b, s, h = x.shape
-        d = h // self.heads
-        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, d).permute(2, 0, 3, 1, 4)
-        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))
+        qkv = self.qkv(self.norm1(x))
+        # The whole sequence, and as many heads as the width holds: the same code runs on a
+        # tensor-parallel rank, whose qkv gives whole heads, some of them (Q, K and V of
+        # each), and gathers the tokens that sequence parallelism splits.
+        b, s, _ = qkv.shape
+        q, k, v = qkv.view(b, s, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
         weights = scores.masked_fill(self.future[:s, :s], float("-inf")).softmax(dim=-1)
-        attended = (weights @ v).transpose(1, 2).reshape(b, s, h)
+        attended = (weights @ v).transpose(1, 2).reshape(b, s, -1)
         x = x + self.proj(attended)
         return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
 

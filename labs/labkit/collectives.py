@@ -1,0 +1,57 @@
+"""The collectives a piece of code issues, counted as torch's dispatcher sees them.
+
+    counter = comm_model.CollectiveCounter(world_size)
+    with CountCollectives(counter):
+        loss.backward()                # or a whole training step
+    counter.counts, counter.sent       # {op: how many}, bytes this rank sent (ring volumes)
+
+Every collective passes through the dispatcher, whether a lab calls it (torch.distributed's
+c10d ops) or torch issues it inside DTensor, FSDP2 or a backward pass (the functional
+collectives), so one mode counts them all, forward and backward alike.
+"""
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# op name (as the dispatcher names it, without namespace and overload) ->
+# (collective, how to get the full tensor's bytes from the op's arguments)
+_nbytes = lambda t: t.numel() * t.element_size()   # noqa: E731
+_COLLECTIVES = {
+    # c10d ops: what torch.distributed's functions call
+    "allreduce_": ("all_reduce", lambda args: sum(_nbytes(t) for t in args[0])),
+    "_allgather_base_": ("all_gather", lambda args: _nbytes(args[0])),          # output
+    "_reduce_scatter_base_": ("reduce_scatter", lambda args: _nbytes(args[1])), # input
+    "broadcast_": ("broadcast", lambda args: sum(_nbytes(t) for t in args[0])),
+    # functional collectives: what DTensor and FSDP2 issue
+    "all_reduce": ("all_reduce", lambda args: _nbytes(args[0])),
+    "all_gather_into_tensor": ("all_gather", lambda args: _nbytes(args[0]) * args[1]),
+    "reduce_scatter_tensor": ("reduce_scatter", lambda args: _nbytes(args[0])),
+    "all_to_all_single": ("all_to_all", lambda args: _nbytes(args[0])),
+}
+
+
+class CountCollectives(TorchDispatchMode):
+    """While active, add every collective to `counter` (a comm_model.CollectiveCounter)."""
+
+    def __init__(self, counter):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **(kwargs or {}))
+        if any(issubclass(t, DTensor) for t in types):
+            # Let DTensor run first, with this mode still active: the collectives it turns
+            # the op into (a partial gradient reduced in the optimizer's step, say) come
+            # back through here. (torch's CommDebugMode does the same.)
+            return NotImplemented
+        namespace = func.namespace
+        if namespace in ("c10d", "_c10d_functional", "c10d_functional"):
+            name = func.__name__.split(".")[0]
+            if name in _COLLECTIVES:
+                op, nbytes = _COLLECTIVES[name]
+                self.counter.add_bytes(op, nbytes(args))
+            elif name not in ("wait_tensor", "_wrap_tensor_autograd", "barrier"):
+                raise NotImplementedError(f"cannot count the collective {func}")
+        return func(*args, **(kwargs or {}))

@@ -1,0 +1,21 @@
+"""The hardware the book's extrapolations assume, stated once: H100 SXM GPUs in nodes of
+eight joined by NVLink 4, one 400 Gb/s NDR InfiniBand card per GPU between nodes, as in
+a DGX H100. The chapters that predict times on it (collectives, scaling, tensor
+parallelism) import these; an exercise that varies one passes its own value.
+
+Links are (alpha seconds per step, beta bytes per second per GPU) for the cost models of
+comm_model and time_model. The betas are what NCCL reaches, not the line rates:
+  NVLink 4     450 GB/s per direction per GPU (NVIDIA's H100 datasheet); NCCL gets about
+               370 GB/s of it after protocol overhead (nccl-tests issue 212); we take 360
+  NDR card     400 Gb/s = 50 GB/s (DGX H100 user guide); 46-48 GB/s per card measured
+               with nccl-tests (nccl-tests issue 290); we take 48
+The alphas are assumptions of the right order, not measurements.
+"""
+
+GPUS_PER_NODE = 8
+NVLINK = (5e-6, 360e9)         # inside a node, per GPU
+NIC = (10e-6, 48e9)            # between nodes, per network card, one card per GPU
+NVLINK_LINE_RATE = 450e9       # bytes/s per direction per GPU
+NIC_LINE_RATE = 50e9           # bytes/s, 400 Gb/s
+H100_BF16_FLOPS = 989e12       # dense bf16 peak of the H100 SXM, FLOP/s
+UTILIZATION = 0.40             # model FLOPs utilization of well-tuned training
