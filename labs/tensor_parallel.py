@@ -6,11 +6,12 @@ course's transformer t ways, trains it for --steps steps on the same batches on 
 (tensor-parallel ranks share their data), and is compared with one process that trains the
 whole model on those batches.
 
-  scratch        Megatron-LM's split with autograd functions of its own: QKV (whole heads
-                 per rank) and fc1 column-parallel, proj and fc2 row-parallel, f (identity
-                 forward, all-reduce backward) before each column-parallel linear and g
-                 (all-reduce forward, identity backward) after each row-parallel one; the
-                 vocabulary split too, in the embedding, the head and the cross-entropy
+  scratch        Megatron-LM's split built from scratch (labkit/tensor_parallel_layers.py):
+                 QKV (whole heads per rank) and fc1 column-parallel, proj and fc2
+                 row-parallel, f (identity forward, all-reduce backward) before each
+                 column-parallel linear and g (all-reduce forward, identity backward)
+                 after each row-parallel one; the vocabulary split too, in the embedding,
+                 the head and the cross-entropy
   scratch_sp     + sequence parallelism: outside attention and MLP each rank holds s/t of
                  the tokens, g becomes a reduce-scatter and f an all-gather (the gathered
                  input is not kept: backward gathers it again, as Megatron-LM does)
@@ -43,14 +44,13 @@ import copy
 import dataclasses
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from labkit import comm_model, distenv, memory_model
 from labkit.activations import count_activation_bytes
 from labkit.collectives import CountCollectives
-from labkit.strategies import apply_tp, group_qkv_by_rank, qkv_rows_of_rank, rank_batch
+from labkit.strategies import apply_tp, group_qkv_by_rank, rank_batch
+from labkit.tensor_parallel_layers import TensorParallelTransformer
 from labkit.transformer import Shape, Transformer, next_token_loss
 
 # heads 12 and every width divisible by 1, 2, 3 and 4: the ranks split whole heads at each
@@ -60,259 +60,6 @@ STEPS = 2
 LEARNING_RATE = 0.1   # plain SGD: the result depends on the gradients alone
 VARIANTS = ("scratch", "scratch_sp", "dtensor", "dtensor_sp", "no_f_backward", "qkv_by_rows")
 PITFALLS = ("no_f_backward", "qkv_by_rows")
-
-
-# The communication operators, as autograd functions. Tensors are (batch, sequence, hidden);
-# sequence parallelism splits dimension 1.
-
-class Copy(torch.autograd.Function):
-    """f: identity forward; backward, the sum over ranks of each rank's partial gradient."""
-
-    @staticmethod
-    def forward(ctx, x, reduce_backward):
-        ctx.reduce_backward = reduce_backward
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        if ctx.reduce_backward:
-            dist.all_reduce(grad)
-        return grad, None
-
-
-class Reduce(torch.autograd.Function):
-    """g: the sum over ranks of each rank's partial result forward; identity backward."""
-
-    @staticmethod
-    def forward(ctx, x):
-        x = x.contiguous().clone()
-        dist.all_reduce(x)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
-def _gather_tokens(shard):
-    """All ranks' token slices, (b, s/t, h) -> (b, s, h)."""
-    t = dist.get_world_size()
-    local = shard.transpose(0, 1).contiguous()
-    full = local.new_empty((t * local.shape[0], *local.shape[1:]))
-    distenv.all_gather_single(full, local)
-    return full.transpose(0, 1)
-
-
-def _scatter_sum_tokens(full):
-    """The sum over ranks, keeping this rank's slice of tokens: (b, s, h) -> (b, s/t, h)."""
-    t = dist.get_world_size()
-    summed = full.transpose(0, 1).contiguous()
-    shard = summed.new_empty((summed.shape[0] // t, *summed.shape[1:]))
-    distenv.reduce_scatter_single(shard, summed)
-    return shard.transpose(0, 1)
-
-
-class ReduceScatter(torch.autograd.Function):
-    """g with sequence parallelism: sum over ranks, keep this rank's tokens; backward,
-    gather every rank's tokens."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return _scatter_sum_tokens(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_tokens(grad)
-
-
-class GatherLinear(torch.autograd.Function):
-    """f with sequence parallelism, fused with the column-parallel linear after it: gather
-    every rank's tokens and multiply. Only this rank's tokens are saved; backward gathers
-    them again for the weight's gradient, and reduce-scatters the input's."""
-
-    @staticmethod
-    def forward(ctx, shard, weight, bias):
-        ctx.save_for_backward(shard, weight)
-        ctx.has_bias = bias is not None
-        return F.linear(_gather_tokens(shard), weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad):
-        shard, weight = ctx.saved_tensors
-        grad_input = _scatter_sum_tokens(grad @ weight)
-        full = _gather_tokens(shard)
-        grad_weight = grad.flatten(0, 1).t() @ full.flatten(0, 1)
-        grad_bias = grad.sum((0, 1)) if ctx.has_bias else None
-        return grad_input, grad_weight, grad_bias
-
-
-# The parallel layers: each holds its rank's slice of a full layer, and gives it back whole.
-
-class ColumnParallel(nn.Module):
-    """y = x W^T + b with W's rows (outputs) split: each rank computes its own outputs."""
-
-    def __init__(self, full, rows, sequence_parallel, reduce_backward=True):
-        super().__init__()
-        self.rows, self.sequence_parallel = rows, sequence_parallel
-        self.reduce_backward = reduce_backward
-        self.weight = nn.Parameter(full.weight.detach()[rows].clone())
-        self.bias = None if full.bias is None else nn.Parameter(full.bias.detach()[rows].clone())
-
-    def forward(self, x):
-        if self.sequence_parallel:
-            return GatherLinear.apply(x, self.weight, self.bias)
-        return F.linear(Copy.apply(x, self.reduce_backward), self.weight, self.bias)
-
-    def full(self, name):
-        """{parameter name in the full model: the full tensor}; a collective."""
-        parts = {"weight": self.weight, "bias": self.bias}
-        return {f"{name}.{key}": _unsplit(value, self.rows, 0)
-                for key, value in parts.items() if value is not None}
-
-
-class RowParallel(nn.Module):
-    """y = x W^T + b with W's columns (inputs) split: each rank adds its share of every
-    output, g sums them, and the bias, replicated, is added once after."""
-
-    def __init__(self, full, columns, sequence_parallel):
-        super().__init__()
-        self.columns, self.sequence_parallel = columns, sequence_parallel
-        self.weight = nn.Parameter(full.weight.detach()[:, columns].clone())
-        self.bias = nn.Parameter(full.bias.detach().clone())
-
-    def forward(self, x):
-        partial = F.linear(x, self.weight)
-        summed = ReduceScatter.apply(partial) if self.sequence_parallel else Reduce.apply(partial)
-        return summed + self.bias
-
-    def full(self, name):
-        return {f"{name}.weight": _unsplit(self.weight, self.columns, 1),
-                f"{name}.bias": self.bias.detach()}
-
-
-def _unsplit(local, index, dim):
-    """The full tensor from every rank's slice along `dim` at `index` (a collective)."""
-    pieces = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(pieces, local.detach().contiguous())
-    indices = [torch.empty_like(index) for _ in pieces]
-    dist.all_gather(indices, index)
-    shape = list(local.shape)
-    shape[dim] *= len(pieces)
-    full = local.new_empty(shape)
-    full.index_copy_(dim, torch.cat(indices), torch.cat(pieces, dim))
-    return full
-
-
-class VocabParallelEmbedding(nn.Module):
-    """Tokens from a 1/t slice of the vocabulary: each rank looks up the ids it holds and
-    zeros the rest; g (or its reduce-scatter) sums the ranks' rows. Positions replicated."""
-
-    def __init__(self, full, rank, tp, sequence_parallel):
-        super().__init__()
-        self.rows = torch.arange(rank * full.tokens.num_embeddings // tp,
-                                 (rank + 1) * full.tokens.num_embeddings // tp)
-        self.tokens = nn.Parameter(full.tokens.weight.detach()[self.rows].clone())
-        self.positions = copy.deepcopy(full.positions)
-        self.sequence_parallel, self.rank = sequence_parallel, rank
-
-    def forward(self, ids):
-        local = ids - self.rows[0]
-        outside = (local < 0) | (local >= len(self.rows))
-        x = F.embedding(local.masked_fill(outside, 0), self.tokens).masked_fill(outside[..., None], 0)
-        x = ReduceScatter.apply(x) if self.sequence_parallel else Reduce.apply(x)
-        start = self.rank * x.shape[1] if self.sequence_parallel else 0
-        return x + self.positions(torch.arange(start, start + x.shape[1], device=x.device))
-
-    def full(self, name):
-        return {f"{name}.tokens.weight": _unsplit(self.tokens, self.rows, 0),
-                f"{name}.positions.weight": self.positions.weight.detach()}
-
-
-class VocabParallelCrossEntropy(torch.autograd.Function):
-    """The mean next-token loss from each rank's 1/t of the logits: three all-reduces of one
-    value per token (the maximum, the sum of exponentials, the target's logit)."""
-
-    @staticmethod
-    def forward(ctx, logits, targets, first):
-        top = logits.max(-1).values
-        dist.all_reduce(top, op=dist.ReduceOp.MAX)
-        shifted = logits - top[..., None]
-        exp = shifted.exp()
-        total = exp.sum(-1)
-        dist.all_reduce(total)
-        local = targets - first
-        mine = (local >= 0) & (local < logits.shape[-1])
-        target = shifted.gather(-1, local.clamp(0, logits.shape[-1] - 1)[..., None])[..., 0]
-        target = target * mine
-        dist.all_reduce(target)
-        ctx.save_for_backward(exp / total[..., None], local, mine)
-        return (total.log() - target).mean()
-
-    @staticmethod
-    def backward(ctx, grad):
-        softmax, local, mine = ctx.saved_tensors
-        onehot = torch.zeros_like(softmax)
-        onehot.scatter_(-1, local.clamp(0, softmax.shape[-1] - 1)[..., None],
-                        mine[..., None].to(softmax.dtype))
-        return (softmax - onehot) * grad / local.numel(), None, None
-
-
-class ScratchTP(nn.Module):
-    """The course's transformer split tp ways from scratch, from a full copy of it."""
-
-    def __init__(self, full, rank, tp, sequence_parallel=False, reduce_backward=True,
-                 qkv_by_heads=True):
-        super().__init__()
-        h, heads, ffn = full.shape.hidden, full.shape.heads, 4 * full.shape.hidden
-        sp = sequence_parallel
-        contiguous = lambda n: torch.arange(rank * n // tp, (rank + 1) * n // tp)  # noqa: E731
-        self.embed = VocabParallelEmbedding(full.embed, rank, tp, sp)
-        self.blocks = copy.deepcopy(full.blocks)
-        for block in self.blocks:
-            qkv_rows = (qkv_rows_of_rank(h, heads, rank, tp) if qkv_by_heads
-                        else contiguous(3 * h))
-            block.qkv = ColumnParallel(block.qkv, qkv_rows, sp, reduce_backward)
-            block.proj = RowParallel(block.proj, contiguous(h), sp)
-            block.fc1 = ColumnParallel(block.fc1, contiguous(ffn), sp, reduce_backward)
-            block.fc2 = RowParallel(block.fc2, contiguous(ffn), sp)
-        self.norm = copy.deepcopy(full.head.norm)
-        self.out = ColumnParallel(full.head.out, contiguous(full.shape.vocab), sp, reduce_backward)
-        self.sequence_parallel = sp
-
-    def forward(self, ids):
-        x = self.embed(ids)
-        for block in self.blocks:
-            x = block(x)
-        return self.out(self.norm(x))   # this rank's slice of the vocabulary's logits
-
-    def loss(self, ids, targets):
-        return VocabParallelCrossEntropy.apply(self(ids), targets, self.out.rows[0])
-
-    def replicated_gradients(self):
-        """Parameters that every rank holds whole but that, under sequence parallelism, see
-        only this rank's tokens: their gradients are partial sums."""
-        if not self.sequence_parallel:
-            return []
-        params = [self.embed.positions.weight, *self.norm.parameters()]
-        for block in self.blocks:
-            params += [*block.norm1.parameters(), *block.norm2.parameters(),
-                       block.proj.bias, block.fc2.bias]
-        return params
-
-    def full_parameters(self):
-        """{name: full tensor}, named as in the full model (a collective)."""
-        result = self.embed.full("embed")
-        for i, block in enumerate(self.blocks):
-            for name, module in block.named_children():
-                if hasattr(module, "full"):
-                    result.update(module.full(f"blocks.{i}.{name}"))
-                else:
-                    result.update({f"blocks.{i}.{name}.{k}": v.detach()
-                                   for k, v in module.named_parameters()})
-        result.update({f"head.norm.{k}": v.detach() for k, v in self.norm.named_parameters()})
-        result.update(self.out.full("head.out"))
-        return result
 
 
 # torch's own: DTensor, with the fused QKV regrouped so that each rank's rows hold whole heads
@@ -333,28 +80,27 @@ class TorchTP(nn.Module):
     def loss(self, ids, targets):
         return next_token_loss(self(ids), targets)
 
-    def replicated_gradients(self):
-        return []   # DTensor reduces the gradients of the parameters it replicates
+    def reduce_replicated_gradients(self):
+        pass   # DTensor reduces the partial gradients of the parameters it replicates
 
     def full_parameters(self):
         result = {}
         for name, param in self.model.named_parameters():
             full = param.full_tensor() if hasattr(param, "full_tensor") else param
             if name.endswith(("qkv.weight", "qkv.bias")):   # back to [Q; K; V]
-                full = torch.empty_like(full).index_copy_(0, self.order, full)
+                full = torch.empty_like(full).index_copy_(0, self.order.to(full.device), full)
             result[name] = full.detach()
         return result
 
 
 def build(name, full, env):
-    """The variant's model; each has loss(ids, targets), replicated_gradients() and
+    """The variant's model; each has loss(ids, targets), reduce_replicated_gradients() and
     full_parameters()."""
-    rank, tp = env.rank, env.world_size
     if name.startswith("dtensor"):
         return TorchTP(full, env, sequence_parallel=name == "dtensor_sp")
-    return ScratchTP(full, rank, tp, sequence_parallel=name == "scratch_sp",
-                     reduce_backward=name != "no_f_backward",
-                     qkv_by_heads=name != "qkv_by_rows")
+    return TensorParallelTransformer(full, sequence_parallel=name == "scratch_sp",
+                                     reduce_backward=name != "no_f_backward",
+                                     qkv_by_heads=name != "qkv_by_rows")
 
 
 def predicted_collectives(name, shape, batch, tp):
@@ -379,15 +125,10 @@ def predicted_activation_bytes(name, shape, batch, tp):
                 shape.seq, batch, tokens_split=tp if sequence_parallel else 1))
 
 
-def step(model, optimizer, ids, targets):
-    loss = model.loss(ids, targets)
-    loss.backward()
-    partial = [p.grad for p in model.replicated_gradients()]
-    if partial:   # one all-reduce for all of them, as one flat buffer
-        flat = torch.cat([g.flatten() for g in partial])
-        dist.all_reduce(flat)
-        for g, part in zip(partial, flat.split([g.numel() for g in partial])):
-            g.copy_(part.view_as(g))
+def step(model, ids, targets):
+    """Forward, backward and the gradients complete: what the optimizer needs."""
+    model.loss(ids, targets).backward()
+    model.reduce_replicated_gradients()
 
 
 def reference(shape, args, env):
@@ -412,7 +153,7 @@ def run_variant(name, shape, args, env, expected):
         ids, targets = rank_batch(shape, args.batch, args.seed, s, 0, env.device)
         counter.reset()   # the last step is counted, the optimizer's step included
         with CountCollectives(counter):
-            step(model, optimizer, ids, targets)
+            step(model, ids, targets)
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     full = model.full_parameters()

@@ -50,7 +50,8 @@ def apply_fsdp(model, reshard_after_forward=True, **options):
 def qkv_rows_of_rank(hidden, heads, rank, tp):
     """Rows of the fused [Q; K; V] weight (3h x h) that hold rank `rank`'s heads: the same
     heads' rows of Q, of K and of V. Cutting the fused weight into t blocks of contiguous
-    rows instead would give rank 0 part of Q's heads and none of their K or V."""
+    rows instead puts the wrong matrices where a rank expects its K and V (at t = 2, rank
+    0 gets all of Q and half of K; from t = 3 on, rows of Q alone)."""
     if heads % tp:
         raise ValueError(f"{heads} heads do not split over {tp} ranks")
     width = hidden // tp   # heads / tp heads, hidden / heads rows each
