@@ -200,3 +200,18 @@ def test_collectives_summary_counts_and_sums_exactly():
     sent, counts = comm_model.collectives_summary(plan, 3, value_bytes=2)
     assert counts == {"all_reduce": 2, "all_gather": 1}
     assert sent == Fraction(2 * 2 * 20, 3) + Fraction(20 * 2, 3) + Fraction(2 * 2 * 6, 3)
+
+
+def test_pipeline_p2p_bytes_by_hand():
+    # 4 stages, 8 micro-batches of 1000 fp32 values: the ends send one way, the rest both
+    assert comm_model.pipeline_p2p_bytes_per_rank(4, 8, 1000) == [32000, 64000, 64000, 32000]
+    assert comm_model.pipeline_p2p_bytes_per_rank(1, 8, 1000) == [0]
+    # interleaved, v = 2: rank 0 holds pieces 0 and 4 of 8 (sends 1 + 2), rank 3 pieces 3, 7
+    assert comm_model.pipeline_p2p_bytes_per_rank(4, 8, 1000, chunks=2) == [
+        3 * 32000, 4 * 32000, 4 * 32000, 3 * 32000]
+
+
+def test_layer_boundaries_crossed():
+    assert comm_model.layer_boundaries_crossed(24, 4, "contiguous") == 3
+    assert comm_model.layer_boundaries_crossed(24, 4, "round_robin") == 23
+    assert comm_model.layer_boundaries_crossed(24, 1, "round_robin") == 0

@@ -240,3 +240,16 @@ def test_layernorm_statistics_are_what_a_layernorm_saves():
                      if t.shape != x.shape and t.dim() > 1)   # the mean and 1/std
     assert statistics == memory_model.layer_norm_statistics_bytes(seq, batch, norms=1)
     assert memory_model.layer_norm_statistics_bytes(seq, batch, tokens_split=3) == 2 * 8 * 7
+
+
+def test_pipeline_peak_microbatches_by_hand():
+    assert memory_model.pipeline_peak_microbatches("gpipe", 4, 8) == [8, 8, 8, 8]
+    assert memory_model.pipeline_peak_microbatches("1f1b", 4, 8) == [4, 3, 2, 1]
+    assert memory_model.pipeline_peak_microbatches("1f1b", 4, 2) == [2, 2, 2, 1]
+    # interleaved, p = 4, v = 2: warm-up (v-1)p + 2(p-1-s) forwards, then one more
+    assert memory_model.pipeline_peak_microbatches("interleaved", 4, 8, 2) == [11, 9, 7, 5]
+    assert memory_model.pipeline_peak_microbatches("interleaved", 2, 2, 2) == [4, 3]
+    # p = 3, m = 5: one round of 5 micro-batches, so the warm-up is 5 + 2(p-1-s)
+    assert memory_model.pipeline_peak_microbatches("interleaved", 3, 5, 2) == [10, 8, 6]
+    with pytest.raises(ValueError):
+        memory_model.pipeline_peak_microbatches("zero_bubble", 4, 8)

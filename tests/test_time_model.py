@@ -130,3 +130,13 @@ def test_layer_flops_are_what_torchs_flop_counter_counts():
         block(torch.randn(batch, shape.seq, shape.hidden))
     assert counter.get_total_flops() == time_model.layer_forward_flops(shape.seq, batch,
                                                                         shape.hidden)
+
+
+def test_pipeline_bubble_by_hand():
+    # one batch on p stages: only one works at a time
+    assert time_model.pipeline_bubble_fraction(4, 1) == 3 / 4
+    assert time_model.pipeline_bubble_fraction(1, 7) == 0
+    # GPipe's example: p = 4, m = 8 -> 3 idle slots of 11
+    assert time_model.pipeline_bubble_fraction(4, 8) == 3 / 11
+    # interleaving v = 2 halves the fill and drain: 3 / (16 + 3)
+    assert time_model.pipeline_bubble_fraction(4, 8, chunks=2) == 3 / 19

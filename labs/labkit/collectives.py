@@ -28,6 +28,9 @@ _COLLECTIVES = {
     "all_gather_into_tensor": ("all_gather", lambda args: _nbytes(args[0]) * args[1]),
     "reduce_scatter_tensor": ("reduce_scatter", lambda args: _nbytes(args[0])),
     "all_to_all_single": ("all_to_all", lambda args: _nbytes(args[0])),
+    # point-to-point: what a pipeline's isend/irecv (and batch_isend_irecv on gloo) call
+    "send": ("send", lambda args: sum(_nbytes(t) for t in args[0])),
+    "recv_": ("recv", lambda args: sum(_nbytes(t) for t in args[0])),
 }
 
 

@@ -76,6 +76,8 @@ def bytes_sent_per_rank(op, bytes_, world_size):
         "reduce_scatter": bytes_ * (n - 1) / n,
         "all_gather": bytes_ * (n - 1) / n,
         "all_to_all": bytes_ * (n - 1) / n,   # keeps 1/N, sends the rest
+        "send": bytes_,                       # point-to-point: the tensor, once
+        "recv": 0 * bytes_,
     }
     return per_rank[op]
 
@@ -293,3 +295,32 @@ def parse_size(text):
     if unit not in units or not number.isdigit():
         raise ValueError(f"bad size {text!r}: use a whole number with an optional K, M or G suffix")
     return int(number) * units[unit]
+
+
+def pipeline_p2p_bytes_per_rank(stages, microbatches, activation_numel, chunks=1,
+                                value_bytes=4):
+    """[bytes each pipeline rank sends in one step]: each chunk sends its output forward to
+    the next chunk and its input's gradient back to the previous one, `activation_numel`
+    values (b/m x s x h per micro-batch) each way per micro-batch. With v chunks per rank,
+    chunk c of rank r is model piece g = c p + r of p v; every piece but the last sends
+    forward, every piece but the first sends back."""
+    p, v = stages, chunks
+    per_rank = []
+    for rank in range(p):
+        pieces = [c * p + rank for c in range(v)]
+        sends = sum(g < p * v - 1 for g in pieces) + sum(g > 0 for g in pieces)
+        per_rank.append(sends * microbatches * activation_numel * value_bytes)
+    return per_rank
+
+
+def layer_boundaries_crossed(layers, devices, placement):
+    """How many times one forward pass's activations move between devices when `layers`
+    layers run on `devices` devices: contiguous stages cross p-1 boundaries; placing layer l
+    on device l mod D, as some tutorials do, crosses one between every pair of layers."""
+    if devices == 1:
+        return 0
+    if placement == "contiguous":
+        return min(devices, layers) - 1
+    if placement == "round_robin":
+        return layers - 1
+    raise ValueError(f"unknown placement {placement!r}")

@@ -104,11 +104,12 @@ def int_list(minimum=1):
     return parse
 
 
-def choice_list(choices):
-    """An argparse type: comma-separated names from `choices`, or "all" for every one."""
+def choice_list(choices, every=None):
+    """An argparse type: comma-separated names from `choices`, or "all" for every one
+    (for those of `every`, if given: pitfalls that must be asked for by name stay out)."""
     def parse(text):
         if text == "all":
-            return list(choices)
+            return list(choices if every is None else every)
         names = [name.strip() for name in text.split(",") if name.strip()]
         unknown = [name for name in names if name not in choices]
         if unknown or not names:

@@ -294,3 +294,27 @@ def parse_count(text):
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"the parameter count must be a non-negative number, got {text!r}")
     return round(value)
+
+
+def pipeline_peak_microbatches(schedule, stages, microbatches, chunks=1):
+    """Per stage, the most micro-batches whose activations it holds at once (forward done,
+    backward not yet): [one entry per stage].
+
+      gpipe        every forward before any backward: m on every stage
+      1f1b         stage s runs p-1-s forwards before its first backward, then one forward
+                   per backward: p - s at most (Narayanan et al., 2021), m if fewer
+      interleaved  v chunks per rank, counted in chunk-micro-batches (each 1/v of the
+                   stage's layers): the warm-up of Megatron-LM's schedule, which torch's
+                   ScheduleInterleaved1F1B follows, is (v-1)r + 2(p-1-s) forwards, with r
+                   micro-batches per round (p when p divides m; torch takes m // (m // p)
+                   otherwise), and the steady state adds one: at most m v
+    """
+    p, m, v = stages, microbatches, chunks
+    if schedule == "gpipe":
+        return [m] * p
+    if schedule == "1f1b":
+        return [min(p - s, m) for s in range(p)]
+    if schedule == "interleaved":
+        per_round = m // max(1, m // p)
+        return [min((v - 1) * per_round + 2 * (p - 1 - s) + 1, m * v) for s in range(p)]
+    raise ValueError(f"unknown schedule {schedule!r}")

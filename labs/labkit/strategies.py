@@ -5,6 +5,8 @@ pattern of torchtitan's parallelize_* functions).
   apply_fsdp      FSDP2: fully_shard on every unit (embedding, each block, head), then the root
   apply_tp        torch's tensor parallelism (DTensor) on every block, with or without
                   sequence parallelism; qkv_rows_of_rank says which rows hold a rank's heads
+  apply_pp        torch's pipeline schedules (torch.distributed.pipelining) over the pieces
+                  a rank holds: GPipe, 1F1B, interleaved 1F1B
   train_step      forward, next-token loss, backward, optimizer step, gradients zeroed
   TorchDDP        torch's DDP with its optimizer, stepped as one: the reference that the
                   labs' own data-parallel implementations are checked and timed against
@@ -101,6 +103,37 @@ def apply_tp(model, mesh, sequence_parallel=False):
             "head": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate(),
                                        use_local_output=True)})
     return model
+
+
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
+                   "interleaved": "ScheduleInterleaved1F1B"}
+
+
+def apply_pp(pieces, piece_indices, num_pieces, schedule, microbatches, loss_fn, device,
+             input_example, output_example, group=None, stage_class=None):
+    """torch's `schedule` over the pipeline pieces this rank holds (pieces[k] is model piece
+    piece_indices[k] of num_pieces; one piece for GPipe and 1F1B, several for the
+    interleaved schedule). Each micro-batch's loss is loss_fn(output, target) / m, so the
+    gradients are the whole batch's: torch >= 2.7 would divide them by m itself
+    (scale_grads), torch 2.6 does not, so that is turned off where it exists.
+    `input_example(k)` and `output_example(k)` give tensors shaped like piece k's input and
+    output for one micro-batch: with them torch skips its shape-inference pass.
+    `stage_class` replaces PipelineStage (a subclass that times each op, say).
+    Call the result's step(ids) on the first stage, step(target=...) on the last."""
+    import inspect
+
+    from torch.distributed import pipelining
+    stage_class = stage_class or pipelining.PipelineStage
+    stages = [stage_class(piece, index, num_pieces, device, input_args=input_example(index),
+                          output_args=output_example(index), group=group)
+              for piece, index in zip(pieces, piece_indices)]
+    schedule_class = getattr(pipelining, TORCH_SCHEDULES[schedule])
+    options = {}
+    if "scale_grads" in inspect.signature(schedule_class.__init__).parameters:
+        options["scale_grads"] = False
+    scaled_loss = lambda output, target: loss_fn(output, target) / microbatches  # noqa: E731
+    return schedule_class(stages if schedule == "interleaved" else stages[0], microbatches,
+                          loss_fn=scaled_loss, **options)
 
 
 def train_step(model, optimizer, ids, targets, after_backward=None, set_to_none=True):

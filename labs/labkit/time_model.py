@@ -157,3 +157,17 @@ def layer_forward_flops(seq, batch, hidden):
     and 4 b s^2 h in attention's two (Q K^T, and the weights times V). Backward costs
     twice the forward; tensor parallelism divides both by t."""
     return 24 * batch * seq * hidden ** 2 + 4 * batch * seq ** 2 * hidden
+
+
+def pipeline_bubble_fraction(stages, microbatches, chunks=1):
+    """Fraction of a pipeline step each stage spends idle, when every stage's forward of a
+    micro-batch takes the same time and its backward a fixed multiple of it: (p-1)/(v m + p-1).
+
+    With one batch (m = 1, v = 1) this is (p-1)/p: only one stage works at a time. GPipe and
+    1F1B both have it (Huang et al., 2019; Narayanan et al., 2021): the first stage's last
+    forward starts m-1 forwards after its first and the last stage's first backward can only
+    start p-1 forwards after it; the drain mirrors the fill, so each stage waits p-1 forward
+    + backward slots in a step of m + p - 1 of them. The interleaved schedule gives each
+    rank v chunks of 1/v of its layers, so the fill and drain slots shrink by v."""
+    p, m, v = stages, microbatches, chunks
+    return (p - 1) / (v * m + p - 1)

@@ -1,0 +1,317 @@
+"""Pipeline parallelism: GPipe and 1F1B built from scratch beside torch's schedules, the
+bubble measured from each stage's timeline against (p-1)/(m+p-1).
+
+The world's N ranks are p = N pipeline stages. The course's transformer is cut into p
+contiguous pieces (embedding with the first, head with the last); each step's batch is cut
+into m micro-batches, which flow forward through the stages and their gradients back. Each
+schedule trains for --steps steps on the same batches and is compared with one process
+that trains the whole model on the whole batch.
+
+  gpipe              from scratch: all m forwards, then all m backwards
+  1f1b               from scratch: p-1-s forwards on stage s, then one forward and one
+                     backward in turn, then the backwards left
+  torch_gpipe        torch.distributed.pipelining's ScheduleGPipe
+  torch_1f1b         its Schedule1F1B
+  torch_interleaved  its ScheduleInterleaved1F1B, --chunks pieces per rank
+  no_loss_scale      pitfall: gpipe with each micro-batch's loss not divided by m
+  recv_before_send   pitfall: each stage waits for a micro-batch's gradient before sending
+                     its activations: a deadlock, ended by --timeout with one line
+
+Each forward and backward of a micro-batch on each stage is timed. With --compute-ms T
+every forward lasts exactly T ms and every backward 2T (the real work, then a sleep): a
+controlled-time experiment, in which the schedule alone sets the timeline, whatever the
+CPU is doing. Without it the timeline is that of the real computation, which on a shared
+CPU is not a GPU's.
+
+Launch lines (from the repository root):
+  laptop, gloo on CPU:  torchrun --standalone --nproc_per_node=4 labs/pipeline.py \\
+                          --microbatches 1,2,4,8 --compute-ms 5 --out pp4.json
+  one process:          python labs/pipeline.py --schedule gpipe
+  GPU box, NCCL:        torchrun --standalone --nproc_per_node=8 labs/pipeline.py \\
+                          --layers 16 --hidden 1024 --heads 16 --seq 512 --out pp8.json
+  two nodes (run on each, HOST = node 0's address; stages 0-7 on node 0, 8-15 on 1):
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
+             --rdzv-id=pp labs/pipeline.py --layers 16 --out pp16.json
+
+JSON: `pp`, `shape`, `batch`, `compute_ms`; `schedules` {name: {max_param_diff,
+expected_equal, step_time_s, bubble_fraction (idle time over p x step time, from the
+timeline), predicted_bubble_fraction, peak_microbatches_in_flight and
+predicted_peak_microbatches_in_flight (one per stage), p2p_bytes_per_rank and
+predicted_p2p_bytes_per_rank (one per rank), ops_over_compute_ms}} for the first
+--microbatches value, and `timeline` {name: [{stage, op, microbatch, chunk, start_s,
+end_s}]} of its last step, gathered from every rank; `sweep` [{microbatches, batch,
+schedules, skipped}] for every value, `skipped` saying why a torch schedule did not run
+(its 1F1B schedules need m >= p). P2P bytes are counted over the second step (torch's
+schedules exchange a few bytes of set-up in their first), the timeline is the last step's.
+"""
+
+import contextlib
+import copy
+import dataclasses
+import time
+
+import torch
+import torch.distributed as dist
+
+from labkit import comm_model, distenv, memory_model, time_model
+from labkit.collectives import CountCollectives
+from labkit.pipeline_schedules import (OpClock, run_schedule, schedule_order, split_pieces,
+                                       timed_torch_stage)
+from labkit.strategies import apply_pp, rank_batch
+from labkit.transformer import Shape, Transformer, next_token_loss
+
+# 8 thin layers: every stage of p = 1..4 gets whole layers, and so does every chunk of the
+# interleaved schedule with 2 chunks per rank
+SHAPE = Shape(layers=8, hidden=16, heads=2, seq=8, vocab=32)
+BATCH = 16            # sequences per step: divisible by m = 1, 2, 4, 8, 16
+STEPS = 3             # set-up, counted, timed
+LEARNING_RATE = 0.1   # plain SGD: the result depends on the gradients alone
+SCHEDULES = ("gpipe", "1f1b", "torch_gpipe", "torch_1f1b", "torch_interleaved")
+PITFALLS = ("no_loss_scale", "recv_before_send")
+
+
+def reference(shape, batch, args, device):
+    """One process, the whole model, the whole batch: the trained model."""
+    torch.manual_seed(args.seed)
+    model = Transformer(shape).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    for step in range(args.steps):
+        ids, targets = rank_batch(shape, batch, args.seed, step, 0, device)
+        next_token_loss(model(ids), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return model
+
+
+def chunks_of(name, args):
+    return args.chunks if name == "torch_interleaved" else 1
+
+
+class Pipeline:
+    """This rank's pieces of one schedule, and how to run one step of it."""
+
+    def __init__(self, name, shape, m, args, env):
+        self.name, self.m, self.env = name, m, env
+        p, v = env.world_size, chunks_of(name, args)
+        self.indices = [chunk * p + env.rank for chunk in range(v)]
+        torch.manual_seed(args.seed)   # the reference's initial weights
+        all_pieces = split_pieces(Transformer(shape).to(env.device), p * v)
+        self.clock = OpClock(None if args.compute_ms is None else args.compute_ms / 1e3 / v)
+        self.pieces = [all_pieces[k] for k in self.indices]
+        micro = args.batch // m
+        self.activation_shape = (micro, shape.seq, shape.hidden)
+        if name.startswith("torch_"):
+            last = p * v - 1
+            # examples of a piece's input and output: float ones carry gradients
+            activation = lambda *shape: torch.zeros(shape, device=env.device,  # noqa: E731
+                                                    requires_grad=True)
+            ids = torch.zeros((micro, shape.seq), dtype=torch.long, device=env.device)
+            self.torch_schedule = apply_pp(
+                self.pieces, self.indices, p * v, name.removeprefix("torch_"), m,
+                next_token_loss, env.device,
+                input_example=lambda k: ids if k == 0 else activation(*self.activation_shape),
+                output_example=lambda k: activation(micro, shape.seq, shape.vocab) if k == last
+                else activation(*self.activation_shape),
+                stage_class=timed_torch_stage(self.clock))
+        self.scratch_options = dict(scale_loss=name != "no_loss_scale",
+                                    recv_before_send=name == "recv_before_send")
+        self.optimizer = torch.optim.SGD([q for piece in self.pieces for q in piece.parameters()],
+                                         lr=LEARNING_RATE)
+
+    def run_schedule(self, ids, targets, timeout_s):
+        """Forward and backward of every micro-batch: the gradients, not yet applied."""
+        env, p = self.env, self.env.world_size
+        first, last = env.rank == 0, env.rank == p - 1
+        if not self.name.startswith("torch_"):
+            kind = "gpipe" if self.name in ("no_loss_scale", "recv_before_send") else self.name
+            run_schedule(self.pieces[0], schedule_order(kind, p, env.rank, self.m), env.rank,
+                         p, ids.chunk(self.m), targets.chunk(self.m), next_token_loss,
+                         clock=self.clock, prev_rank=env.rank - 1, next_rank=env.rank + 1,
+                         activation_shape=self.activation_shape, device=env.device,
+                         timeout_s=timeout_s, **self.scratch_options)
+        elif first and last:
+            self.torch_schedule.step(ids, target=targets)
+        elif first:
+            self.torch_schedule.step(ids)
+        elif last:
+            self.torch_schedule.step(target=targets)
+        else:
+            self.torch_schedule.step()
+
+
+def run_one(name, shape, m, args, env, expected):
+    """Train schedule `name` with m micro-batches: its results (on every rank) and its last
+    step's timeline."""
+    pipeline = Pipeline(name, shape, m, args, env)
+    counter = comm_model.CollectiveCounter(env.world_size)
+    # Bytes are counted over the second step: torch's schedules agree on their set-up by
+    # sending a few bytes in their first. The timeline is the last step's, uncounted when
+    # there are three or more, since counting slows every op down.
+    counted = min(1, args.steps - 1)
+    for step in range(args.steps):
+        ids, targets = rank_batch(shape, args.batch, args.seed, step, 0, env.device)
+        pipeline.clock.reset()
+        counting = CountCollectives(counter) if step == counted else contextlib.nullcontext()
+        dist.barrier()
+        start = time.perf_counter()
+        with counting:
+            pipeline.run_schedule(ids, targets, args.timeout)
+        elapsed = time.perf_counter() - start
+        pipeline.optimizer.step()
+        pipeline.optimizer.zero_grad(set_to_none=True)
+    events = [{"stage": env.rank, "op": op, "microbatch": i, "chunk": piece // env.world_size,
+               "start_s": t0 - start, "end_s": t1 - start}
+              for op, i, piece, t0, t1 in pipeline.clock.events]
+    mine = {"elapsed": elapsed, "events": events, "sent": int(counter.sent),
+            "over": pipeline.clock.over_budget}
+    ranks = [None] * env.world_size
+    dist.all_gather_object(ranks, mine)
+
+    references = split_pieces(copy.deepcopy(expected), env.world_size * chunks_of(name, args))
+    own = [q for piece in pipeline.pieces for q in piece.parameters()]
+    ref = [q for k in pipeline.indices for q in references[k].parameters()]
+    p, v = env.world_size, chunks_of(name, args)
+    step_time = max(r["elapsed"] for r in ranks)
+    busy = sum(e["end_s"] - e["start_s"] for r in ranks for e in r["events"])
+    kind = "interleaved" if v > 1 else ("1f1b" if "1f1b" in name else "gpipe")
+    result = {
+        "max_param_diff": distenv.max_param_diff(own, ref, env.device),
+        "expected_equal": name != "no_loss_scale" or m == 1,
+        "step_time_s": step_time,
+        "bubble_fraction": 1 - busy / (p * step_time),
+        "predicted_bubble_fraction": time_model.pipeline_bubble_fraction(p, m, v),
+        "peak_microbatches_in_flight": [peak_in_flight(r["events"]) for r in ranks],
+        "predicted_peak_microbatches_in_flight":
+            memory_model.pipeline_peak_microbatches(kind, p, m, v),
+        "p2p_bytes_per_rank": [r["sent"] for r in ranks],
+        "predicted_p2p_bytes_per_rank": comm_model.pipeline_p2p_bytes_per_rank(
+            p, m, args.batch // m * shape.seq * shape.hidden, v),
+        "ops_over_compute_ms": sum(r["over"] for r in ranks),
+    }
+    timeline = sorted((e for r in ranks for e in r["events"]),
+                      key=lambda e: (e["stage"], e["start_s"]))
+    return result, timeline
+
+
+def peak_in_flight(events):
+    """Most micro-batches (of any chunk) whose forward has run and backward not yet."""
+    held = peak = 0
+    for event in sorted(events, key=lambda e: e["start_s"]):
+        held += 1 if event["op"] == "F" else -1
+        peak = max(peak, held)
+    return peak
+
+
+def run(args, env):
+    shape = Shape(args.layers, args.hidden, args.heads, args.seq, args.vocab)
+    sweep, timelines = [], {}
+    for index, m in enumerate(args.microbatches):
+        args.batch = m * args.microbatch_size if args.microbatch_size else args.batch
+        expected = reference(shape, args.batch, args, env.device)
+        schedules, skipped = {}, {}
+        for name in args.schedule:
+            reason = torch_refuses(name, m, env.world_size)
+            if reason:
+                skipped[name] = reason
+                env.print0(f"{name:>17} m={m:<2}: skipped, {reason}")
+                continue
+            result, timeline = run_one(name, shape, m, args, env, expected)
+            schedules[name] = result
+            if index == 0:
+                timelines[name] = timeline
+            report(env, name, m, result)
+        sweep.append({"microbatches": m, "batch": args.batch, "schedules": schedules,
+                      "skipped": skipped})
+    return {"pp": env.world_size, "shape": dataclasses.asdict(shape),
+            "batch": sweep[0]["batch"], "compute_ms": args.compute_ms,
+            "schedules": sweep[0]["schedules"], "timeline": timelines, "sweep": sweep}
+
+
+def torch_refuses(name, m, p):
+    """Why torch's schedule `name` will not run m micro-batches on p stages, or None."""
+    if name in ("torch_1f1b", "torch_interleaved") and m < p:
+        return f"torch's {name[6:]} schedule needs at least as many micro-batches as stages"
+    return None
+
+
+def report(env, name, m, r):
+    verdict = "as expected" if ((r["max_param_diff"] <= 1e-5)
+                                == r["expected_equal"]) else "UNEXPECTED"
+    env.print0(f"{name:>17} m={m:<2}: max |p - ref| {r['max_param_diff']:.1e} ({verdict}); "
+               f"bubble {r['bubble_fraction']:.3f} (predicted "
+               f"{r['predicted_bubble_fraction']:.3f}); in flight "
+               f"{r['peak_microbatches_in_flight']} (predicted "
+               f"{r['predicted_peak_microbatches_in_flight']})")
+
+
+def check(args, world_size):
+    """Every stage (and chunk) needs a layer, or the lab refuses to start."""
+    if world_size == 1 and "torch_interleaved" in args.schedule:
+        if args.schedule == list(SCHEDULES):   # all: leave out what one stage cannot run
+            args.schedule.remove("torch_interleaved")
+        else:
+            distenv.fail("torch_interleaved needs at least 2 pipeline stages")
+    pieces = max(world_size * chunks_of(name, args) for name in args.schedule)
+    if args.layers < pieces:
+        distenv.fail(f"--layers {args.layers} cannot give each of {pieces} pipeline pieces "
+                     f"a layer ({world_size} stages x --chunks {args.chunks} interleaved)"
+                     if pieces > world_size else
+                     f"--layers {args.layers} cannot give each of {world_size} stages a layer")
+
+
+def non_negative_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise distenv.argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not value >= 0:
+        raise distenv.argparse.ArgumentTypeError(f"must be at least 0, got {text}")
+    return value
+
+
+def parse_args(argv=None):
+    parser = distenv.lab_parser(__doc__)
+    parser.add_argument("--schedule", type=distenv.choice_list(SCHEDULES + PITFALLS, SCHEDULES),
+                        default=list(SCHEDULES),
+                        help=f"comma-separated, from {', '.join(SCHEDULES + PITFALLS)}; all: "
+                             "every schedule but the pitfalls")
+    parser.add_argument("--microbatches", type=distenv.int_list(), default=[4],
+                        help="micro-batches per step, m; a list (1,2,4,8) sweeps them")
+    parser.add_argument("--batch", type=distenv.positive_int, default=BATCH,
+                        help="sequences per step (every m must divide it)")
+    parser.add_argument("--microbatch-size", type=distenv.positive_int, default=None,
+                        help="sequences per micro-batch instead: the batch is then m times it")
+    parser.add_argument("--compute-ms", type=non_negative_float, default=None,
+                        help="controlled time: every forward of a micro-batch lasts this many "
+                             "ms on every stage, every backward twice as long")
+    parser.add_argument("--chunks", type=distenv.at_least(2), default=2,
+                        help="pieces per rank in torch_interleaved (v)")
+    parser.add_argument("--steps", type=distenv.positive_int, default=STEPS, help="training steps")
+    for field in ("layers", "hidden", "heads", "seq", "vocab"):
+        parser.add_argument(f"--{field}", type=distenv.positive_int,
+                            default=getattr(SHAPE, field), help=f"model {field}")
+    args = parser.parse_args(argv)
+    problem = Shape(args.layers, args.hidden, args.heads, args.seq, args.vocab).check()
+    if problem:
+        distenv.fail(problem)
+    for m in args.microbatches:
+        if args.microbatch_size is None and args.batch % m:
+            distenv.fail(f"--microbatches {m} does not divide --batch {args.batch}")
+    return args
+
+
+def main():
+    args = parse_args()
+    with distenv.initialize(args) as env:
+        check(args, env.world_size)
+        env.print0(f"{env.world_size} pipeline stages ({env.backend}), {args.layers} layers"
+                   + (f", controlled time: forward {args.compute_ms:g} ms, backward "
+                      f"{2 * args.compute_ms:g} ms" if args.compute_ms is not None else ""))
+        try:
+            env.write_result(args, run(args, env))
+        except TimeoutError as error:
+            distenv.fail(str(error))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""The pipeline lab: GPipe and 1F1B from scratch and torch's schedules, against one process
+trained on the whole batch; the bubble, the micro-batches in flight and the bytes sent,
+against the cost models. The chapter runs p = 2 and 4 under controlled time and asserts
+the same (pipeline.md, hidden cells); here p = 1, 2, 3 and 4, the pitfalls and bad input."""
+
+import time
+
+import pytest
+
+import pipeline
+from conftest import assert_fails_with_one_line, assert_refused
+from labkit.launch import LabError, run_lab
+from labkit.pipeline_schedules import schedule_order
+
+SHAPE = pipeline.SHAPE
+COMPUTE_MS = 6
+TIMED = ["--compute-ms", COMPUTE_MS]
+# p -> (micro-batch counts, options): one launch per p, every schedule, m = 1 and m >= p;
+# one process times the real computation, the others run under controlled time
+RUNS = {1: ("1,4", []),
+        2: ("1,4", TIMED),
+        3: ("1,3,5", [*TIMED, "--microbatch-size", "2"]),   # odd p; m that 16 does not divide
+        4: ("2,4", TIMED)}
+
+
+@pytest.fixture(scope="module", params=sorted(RUNS))
+def result(request):
+    p = request.param
+    microbatches, options = RUNS[p]
+    schedules = ",".join(pipeline.SCHEDULES + ("no_loss_scale",))
+    if p == 1:
+        schedules = schedules.replace("torch_interleaved,", "")
+    return run_lab("pipeline", None if p == 1 else p, [
+        "--schedule", schedules, "--microbatches", microbatches, *options], echo=False)
+
+
+def test_the_result_says_where_it_came_from(result):
+    for key in ("lab", "world_size", "backend", "hardware", "torch_version", "created", "args"):
+        assert key in result, key
+    assert result["lab"] == "pipeline" and result["pp"] == result["world_size"]
+    assert result["compute_ms"] == (None if result["pp"] == 1 else COMPUTE_MS)
+    assert [s["microbatches"] for s in result["sweep"]] == [
+        int(m) for m in RUNS[result["pp"]][0].split(",")]
+    first = result["sweep"][0]
+    assert result["schedules"] == first["schedules"] and result["batch"] == first["batch"]
+    fields = {"max_param_diff", "expected_equal", "step_time_s", "bubble_fraction",
+              "predicted_bubble_fraction", "peak_microbatches_in_flight",
+              "predicted_peak_microbatches_in_flight", "p2p_bytes_per_rank",
+              "predicted_p2p_bytes_per_rank", "ops_over_compute_ms"}
+    for entry in result["sweep"]:
+        for name, r in entry["schedules"].items():
+            assert set(r) == fields, name
+
+
+def test_every_schedule_matches_one_process_and_the_pitfall_does_not(result):
+    for entry in result["sweep"]:
+        m, ran = entry["microbatches"], entry["schedules"]
+        assert {"gpipe", "1f1b", "torch_gpipe", "no_loss_scale"} <= set(ran)
+        for name, r in ran.items():
+            if name == "no_loss_scale" and m > 1:   # gradients m times too large
+                assert not r["expected_equal"] and r["max_param_diff"] > 1e-4, (m, name)
+            else:
+                assert r["expected_equal"] and r["max_param_diff"] <= 1e-5, (m, name)
+
+
+def test_torch_schedules_run_where_torch_allows_them(result):
+    p = result["pp"]
+    for entry in result["sweep"]:
+        m, ran, skipped = entry["microbatches"], entry["schedules"], entry["skipped"]
+        needs_m_ge_p = {"torch_1f1b"} | ({"torch_interleaved"} if p > 1 else set())
+        assert set(skipped) == (needs_m_ge_p if m < p else set()), (p, m)
+        assert set(ran) | set(skipped) >= needs_m_ge_p
+
+
+def test_in_flight_and_bytes_equal_the_prediction_exactly(result):
+    p = result["pp"]
+    for entry in result["sweep"]:
+        m, micro = entry["microbatches"], entry["batch"] // entry["microbatches"]
+        for name, r in entry["schedules"].items():
+            assert r["peak_microbatches_in_flight"] == r["predicted_peak_microbatches_in_flight"]
+            assert r["p2p_bytes_per_rank"] == r["predicted_p2p_bytes_per_rank"], name
+        # by hand: GPipe holds all m, 1F1B p - s; an inner stage sends b/m x s x h fp32 values
+        # forward and as many back per micro-batch, an end stage one way
+        assert entry["schedules"]["gpipe"]["peak_microbatches_in_flight"] == [m] * p
+        assert entry["schedules"]["1f1b"]["peak_microbatches_in_flight"] == [
+            min(p - s, m) for s in range(p)]
+        one_way = m * micro * SHAPE.seq * SHAPE.hidden * 4
+        assert entry["schedules"]["gpipe"]["p2p_bytes_per_rank"] == (
+            [0] if p == 1 else [one_way] + [2 * one_way] * (p - 2) + [one_way])
+
+
+def test_the_bubble_under_controlled_time_follows_the_formula(result):
+    # The time between ops (a message, a process waking up) is idle time the formula
+    # leaves out: the measured bubble lies above it, by less the longer the ops. With 6 ms
+    # forwards on a busy machine the tests allow 0.15; the chapter's 10 ms ops are held to
+    # 0.1, and a benchmark at 20 ms reaches 0.05 (pipeline.md).
+    p = result["pp"]
+    if result["compute_ms"] is None:
+        return   # the real computation: the CPU's timeline, not the schedule's
+    for entry in result["sweep"]:
+        m = entry["microbatches"]
+        for name, r in entry["schedules"].items():
+            if name == "torch_interleaved":
+                continue   # its own formula, checked in the chapter
+            assert r["predicted_bubble_fraction"] == (p - 1) / (m + p - 1)
+            gap = r["bubble_fraction"] - r["predicted_bubble_fraction"]
+            assert -0.03 < gap < 0.15, (m, name, gap)
+
+
+def test_schedule_orders_run_every_op_once_forward_first():
+    for p in (1, 2, 3, 4):
+        for m in (1, 2, 5, 8):
+            for kind in ("gpipe", "1f1b"):
+                for stage in range(p):
+                    order = schedule_order(kind, p, stage, m)
+                    assert sorted(order) == sorted([("F", i) for i in range(m)]
+                                                   + [("B", i) for i in range(m)])
+                    assert all(order.index(("F", i)) < order.index(("B", i)) for i in range(m))
+
+
+def test_a_wrong_send_receive_order_times_out_and_says_so():
+    started = time.monotonic()
+    with pytest.raises(LabError) as error:
+        run_lab("pipeline", 2, ["--schedule", "recv_before_send", "--microbatches", "2",
+                                "--timeout", "3"], echo=False)
+    assert "deadlocked" in str(error.value)
+    assert time.monotonic() - started < 60
+
+
+def test_bad_input_is_refused_in_one_line(script):
+    assert_refused(pipeline.parse_args, ["--microbatches", "3"], "--microbatches 3 does not divide")
+    assert_refused(pipeline.parse_args, ["--microbatches", "0"], "--microbatches must be at least 1")
+    assert_refused(pipeline.parse_args, ["--schedule", "zero_bubble"], "invalid choice")
+    assert_refused(pipeline.parse_args, ["--compute-ms", "-1"], "--compute-ms must be at least 0")
+    assert_fails_with_one_line(script("pipeline", "--microbatches", "5"),
+                               "--microbatches 5 does not divide --batch 16")
+    assert_fails_with_one_line(script("pipeline", "--schedule", "torch_interleaved"),
+                               "needs at least 2 pipeline stages")
