@@ -58,7 +58,8 @@ from labkit.collectives import CountCollectives
 from labkit.pipeline_schedules import (OpClock, run_schedule, schedule_order, split_pieces,
                                        timed_torch_stage)
 from labkit.strategies import apply_pp, rank_batch
-from labkit.transformer import Shape, Transformer, next_token_loss
+from labkit.transformer import (Shape, Transformer, add_shape_args, next_token_loss,
+                                shape_from_args)
 
 # 8 thin layers: every stage of p = 1..4 gets whole layers, and so does every chunk of the
 # interleaved schedule with 2 chunks per rank
@@ -203,7 +204,7 @@ def peak_in_flight(events):
 
 
 def run(args, env):
-    shape = Shape(args.layers, args.hidden, args.heads, args.seq, args.vocab)
+    shape = shape_from_args(args)
     sweep, timelines = [], {}
     for index, m in enumerate(args.microbatches):
         args.batch = m * args.microbatch_size if args.microbatch_size else args.batch
@@ -287,13 +288,9 @@ def parse_args(argv=None):
     parser.add_argument("--chunks", type=distenv.at_least(2), default=2,
                         help="pieces per rank in torch_interleaved (v)")
     parser.add_argument("--steps", type=distenv.positive_int, default=STEPS, help="training steps")
-    for field in ("layers", "hidden", "heads", "seq", "vocab"):
-        parser.add_argument(f"--{field}", type=distenv.positive_int,
-                            default=getattr(SHAPE, field), help=f"model {field}")
+    add_shape_args(parser, SHAPE)
     args = parser.parse_args(argv)
-    problem = Shape(args.layers, args.hidden, args.heads, args.seq, args.vocab).check()
-    if problem:
-        distenv.fail(problem)
+    shape_from_args(args)   # refuses a shape the model cannot have
     for m in args.microbatches:
         if args.microbatch_size is None and args.batch % m:
             distenv.fail(f"--microbatches {m} does not divide --batch {args.batch}")

@@ -51,7 +51,8 @@ from labkit.activations import count_activation_bytes
 from labkit.collectives import CountCollectives
 from labkit.strategies import apply_tp, group_qkv_by_rank, rank_batch
 from labkit.tensor_parallel_layers import TensorParallelTransformer
-from labkit.transformer import Shape, Transformer, next_token_loss
+from labkit.transformer import (Shape, Transformer, add_shape_args, next_token_loss,
+                                shape_from_args)
 
 # heads 12 and every width divisible by 1, 2, 3 and 4: the ranks split whole heads at each
 SHAPE = Shape(layers=2, hidden=48, heads=12, seq=24, vocab=120)
@@ -176,7 +177,7 @@ def run_variant(name, shape, args, env, expected):
 
 
 def run(args, env):
-    shape = Shape(args.layers, args.hidden, args.heads, args.seq, args.vocab)
+    shape = shape_from_args(args)
     expected = reference(shape, args, env)
     variants, params, activations = {}, {}, {}
     for name in args.variants:
@@ -220,20 +221,16 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=distenv.positive_int, default=STEPS, help="training steps")
     parser.add_argument("--batch", type=distenv.positive_int, default=BATCH,
                         help="sequences per step (every rank the same)")
-    for field in ("layers", "hidden", "heads", "seq", "vocab"):
-        parser.add_argument(f"--{field}", type=distenv.positive_int,
-                            default=getattr(SHAPE, field), help=f"model {field}")
+    add_shape_args(parser, SHAPE)
     args = parser.parse_args(argv)
-    problem = Shape(args.layers, args.hidden, args.heads, args.seq, args.vocab).check()
-    if problem:
-        distenv.fail(problem)
+    shape_from_args(args)   # refuses a shape the model cannot have
     return args
 
 
 def main():
     args = parse_args()
     with distenv.initialize(args) as env:
-        shape = Shape(args.layers, args.hidden, args.heads, args.seq, args.vocab)
+        shape = shape_from_args(args)
         check_split(shape, args.variants, env.world_size)
         env.print0(f"tensor-parallel size {env.world_size} ({env.backend}), {shape}")
         env.write_result(args, run(args, env))
