@@ -10,6 +10,7 @@ import pytest
 import pipeline
 from conftest import assert_fails_with_one_line, assert_refused
 from labkit.launch import LabError, run_lab
+from labkit.notebook import lab_failure
 from labkit.pipeline_schedules import schedule_order
 
 SHAPE = pipeline.SHAPE
@@ -125,6 +126,12 @@ def test_a_wrong_send_receive_order_times_out_and_says_so():
                                 "--timeout", "3"], echo=False)
     assert "deadlocked" in str(error.value)
     assert time.monotonic() - started < 60
+    # what the chapter prints: each stage's own line, nothing of torchrun's report
+    said = lab_failure("pipeline", 2, ["--schedule", "recv_before_send", "--microbatches", "2",
+                                       "--timeout", "2"]).splitlines()
+    assert sorted(line.split(" waited")[0] for line in said) == [
+        "pipeline: error: stage 0", "pipeline: error: stage 1"]
+    assert all(line.endswith("the schedule is deadlocked") for line in said)
 
 
 def test_bad_input_is_refused_in_one_line(script):

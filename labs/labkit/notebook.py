@@ -4,6 +4,7 @@
     from labkit.notebook import run_lab, glue, table, plt, np
 
   run_lab        launch a lab under torchrun and get its JSON back (labkit.launch)
+  lab_failure    launch a lab that must fail (a pitfall) and get the line that says why
   glue           put a number computed in a cell into the prose, {glue:text}`name`
   table          a Markdown table from a header and rows
   format_bytes, format_percent, format_seconds   numbers written as a person would
@@ -21,9 +22,9 @@ from IPython.display import Markdown
 from myst_nb import glue as _myst_glue
 
 from .launch import LABS_DIR as LABS
-from .launch import run_lab
+from .launch import LabError, run_lab
 
-__all__ = ["LABS", "Markdown", "format_bytes", "format_percent", "format_seconds", "glue",
+__all__ = ["LABS", "Markdown", "lab_failure", "format_bytes", "format_percent", "format_seconds", "glue",
            "np", "plt", "run_lab", "table"]
 
 # A 6-inch figure at 144 dots per inch is 864 pixels wide: sharp on a desktop page, and
@@ -101,3 +102,21 @@ def format_seconds(seconds):
         if abs(seconds) >= size:
             return f"{_three_digits(seconds / size)} {unit}"
     return f"{_three_digits(seconds / 1e-9)} ns"
+
+
+def lab_failure(lab, nproc=1, args=()):
+    """Run a lab that is meant to fail, and return the lines in which it said why (its own
+    error lines, which LabError's message lists first); if it succeeds instead, raise, so
+    that the chapter (and the build) fails."""
+    try:
+        run_lab(lab, nproc, args, echo=False)
+    except LabError as error:
+        lines = str(error).splitlines()
+        said = []
+        if len(lines) > 1 and lines[1] == "Its errors:":
+            for line in lines[2:]:
+                if not line.startswith("  "):
+                    break   # "Its output (...)": the tail of everything it printed
+                said.append(line.strip())
+        return "\n".join(said or lines[:1])
+    raise AssertionError(f"{lab} {' '.join(map(str, args))} was expected to fail and did not")
