@@ -21,6 +21,9 @@ Launch lines (from the repository root):
                                --heads 32 --seq 2048 --batch 1 --vocab 32000 --gpus 8
   GPT-2 (tied head):         python labs/memory.py predict --layers 12 --hidden 768 \
                                --heads 12 --seq 1024 --vocab 50257 --tie-embeddings
+  3-D, 70B on 8 x 4 x 8:     python labs/memory.py predict --layers 80 --hidden 8192 \
+                               --heads 64 --seq 4096 --vocab 128256 --gpus 8 --pp 4 --tp 8 \
+                               --microbatches 16 --sequence-parallel
   laptop, gloo on CPU:       torchrun --standalone --nproc_per_node=4 labs/memory.py \
                                measure --strategy all --out mem.json
   rank 0 of 1024, simulated: python labs/memory.py measure --strategy zero3 \
@@ -32,7 +35,10 @@ Launch lines (from the repository root):
              --rdzv-id=memory labs/memory.py measure --strategy zero3 --out mem.json
 
 predict --json prints {strategy: {params, grads, optimizer, total}} in bytes (from a model
-shape also activations and activations_checkpointed, their peaks, for each strategy).
+shape also activations and activations_checkpointed, their peaks, and per_gpu and
+per_gpu_checkpointed, states and activations together, for each strategy). With --tp and
+--pp the figures are those of the fullest GPU of dp (--gpus) x pp x tp: a pipeline stage's
+share of the layers split tp ways, with the micro-batches its schedule holds at once.
 measure's JSON: `measurements`, one per (world size, strategy): [{world_size, simulated,
 strategy, measured_bytes and predicted_bytes {params, grads, optimizer, total},
 layout_bytes (the same predicted from the exact shard layout: FSDP2's row chunks, ZeRO-1's
@@ -241,28 +247,36 @@ def report(row, env):
 
 def predict(args):
     if args.params is not None:
-        params, activations = args.params, None
+        params, shape = args.params, None
     else:
-        shape, batch = shape_of(args), args.batch
+        shape = shape_of(args)
         params = memory_model.transformer_params(shape.layers, shape.hidden, shape.vocab,
                                                  shape.seq, tied_head=args.tie_embeddings)
-        value_bytes = 2 if args.precision == "mixed" else 4
-        activations = {
-            name: memory_model.activation_bytes(
-                shape.layers, shape.seq, batch, shape.hidden, shape.heads, shape.vocab,
-                value_bytes, dropout=args.dropout, checkpointing=checkpointing)[1]
-            for name, checkpointing in (("activations", False),
-                                        ("activations_checkpointed", True))}
     table = {}
     for strategy in memory_model.STRATEGIES:
-        table[strategy] = memory_model.state_bytes_per_gpu(params, args.gpus, strategy,
-                                                           args.optimizer, args.precision)
-        table[strategy].update(activations or {})
+        if shape is None:
+            table[strategy] = memory_model.state_bytes_per_gpu(params, args.gpus, strategy,
+                                                               args.optimizer, args.precision)
+            continue
+        # the fullest GPU of the configuration, without and with checkpointing
+        full, checkpointed = (memory_model.config_bytes_per_gpu(
+            shape.layers, shape.hidden, shape.heads, shape.seq, shape.vocab, args.gpus,
+            args.pp, args.tp, strategy, args.batch, args.microbatches, args.schedule,
+            args.sequence_parallel, checkpointing, args.optimizer, args.precision,
+            args.dropout, args.tie_embeddings) for checkpointing in (False, True))
+        table[strategy] = {"params": full["params"], "grads": full["grads"],
+                           "optimizer": full["optimizer"], "total": full["states"],
+                           "activations": full["activations"],
+                           "activations_checkpointed": checkpointed["activations"],
+                           "per_gpu": full["total"],
+                           "per_gpu_checkpointed": checkpointed["total"]}
+    activations = None if shape is None else table["ddp"]
     if args.json:
         print(json.dumps(table, indent=1))
         return
     p, g, k = memory_model.bytes_per_parameter(args.optimizer, args.precision)
-    print(f"{params:,} parameters ({params / 1e9:.3f} B) on {args.gpus} GPUs, "
+    layout = (f" x pp {args.pp} x tp {args.tp}" if (args.pp, args.tp) != (1, 1) else "")
+    print(f"{params:,} parameters ({params / 1e9:.3f} B) on {args.gpus} GPUs{layout}, "
           f"{args.optimizer}, {args.precision}: {p} + {g} + {k} bytes per parameter "
           f"(GB = 1e9 bytes per GPU)")
     columns = ("params", "grads", "optimizer", "total")
@@ -272,7 +286,9 @@ def predict(args):
     if activations:
         print(f"activations per GPU at batch {args.batch}: {activations['activations'] / GB:.2f} GB, "
               f"with full checkpointing {activations['activations_checkpointed'] / GB:.2f} GB "
-              f"(peak, {'with' if args.dropout else 'no'} dropout)")
+              f"(peak, {'with' if args.dropout else 'no'} dropout"
+              + (f"; {args.microbatches} micro-batches, {args.schedule}, the fullest stage"
+                 if args.pp > 1 else "") + ")")
 
 
 def parse_args(argv=None):
@@ -291,6 +307,17 @@ def parse_args(argv=None):
     pred.add_argument("--tie-embeddings", action="store_true",
                       help="the output head shares the token embedding's weights "
                            "(GPT-2, GPT-3): V x h parameters fewer")
+    pred.add_argument("--tp", type=distenv.positive_int, default=1,
+                      help="tensor-parallel degree (needs a model shape)")
+    pred.add_argument("--pp", type=distenv.positive_int, default=1,
+                      help="pipeline stages (needs a model shape); --gpus stays the "
+                           "data-parallel degree, the world is gpus x pp x tp")
+    pred.add_argument("--microbatches", type=distenv.positive_int, default=1,
+                      help="micro-batches per step, m, of --batch sequences each")
+    pred.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b",
+                      help="pipeline schedule: how many micro-batches a stage holds at once")
+    pred.add_argument("--sequence-parallel", action="store_true",
+                      help="with --tp: the LayerNorms and dropouts hold 1/t of the tokens")
     pred.add_argument("--json", action="store_true", help="print JSON, bytes per GPU")
     meas = commands.add_parser("measure", help="count what rank 0 holds in torch's own")
     meas.add_argument("--strategy", required=True,
@@ -326,6 +353,8 @@ def check_args(args):
                 distenv.fail("give --params or a model shape (--layers ...), not both")
             if args.tie_embeddings:
                 distenv.fail("--tie-embeddings needs a model shape (--layers ...), not --params")
+            if (args.tp, args.pp) != (1, 1):
+                distenv.fail("--tp and --pp need a model shape (--layers ...), not --params")
             try:
                 args.params = memory_model.parse_count(args.params)
             except ValueError as error:
@@ -336,6 +365,10 @@ def check_args(args):
         missing = [f"--{f}" for f in SHAPE_FIELDS if f not in given]
         if missing:
             distenv.fail(f"a model shape needs {' '.join(missing)} as well")
+        if args.layers < args.pp:
+            distenv.fail(f"--layers {args.layers} cannot give each of --pp {args.pp} stages a layer")
+        if args.heads % args.tp:
+            distenv.fail(f"--heads {args.heads} do not split over --tp {args.tp}")
     problem = shape_of(args).check()
     if problem:
         distenv.fail(problem)

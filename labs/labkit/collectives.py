@@ -11,6 +11,7 @@ collectives), so one mode counts them all, forward and backward alike.
 """
 
 import torch
+from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -34,12 +35,23 @@ _COLLECTIVES = {
 }
 
 
-class CountCollectives(TorchDispatchMode):
-    """While active, add every collective to `counter` (a comm_model.CollectiveCounter)."""
+def _group_name(func, args):
+    """The name of the process group a collective runs on: c10d ops carry the group
+    itself, functional collectives its name."""
+    for arg in args:
+        if isinstance(arg, torch.ScriptObject):
+            return ProcessGroup.unbox(arg).group_name
+    return next((arg for arg in args if isinstance(arg, str)), None)
 
-    def __init__(self, counter):
+
+class CountCollectives(TorchDispatchMode):
+    """While active, add every collective to `counter` (a comm_model.CollectiveCounter).
+    `by_group` {process group name: counter} counts the collectives of those groups there
+    instead (the dimensions of a device mesh, say), each with its own group's size."""
+
+    def __init__(self, counter, by_group=None):
         super().__init__()
-        self.counter = counter
+        self.counter, self.by_group = counter, by_group or {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if isinstance(func, torch._ops.HigherOrderOperator):
@@ -54,7 +66,10 @@ class CountCollectives(TorchDispatchMode):
             name = func.__name__.split(".")[0]
             if name in _COLLECTIVES:
                 op, nbytes = _COLLECTIVES[name]
-                self.counter.add_bytes(op, nbytes(args))
+                counter = self.counter
+                if self.by_group:
+                    counter = self.by_group.get(_group_name(func, args), counter)
+                counter.add_bytes(op, nbytes(args))
             elif name not in ("wait_tensor", "_wrap_tensor_autograd", "barrier"):
                 raise NotImplementedError(f"cannot count the collective {func}")
         return func(*args, **(kwargs or {}))

@@ -138,7 +138,7 @@ def data_parallel_bytes_per_rank(strategy, numel, world_size, value_bytes=4):
 
 
 def tensor_parallel_collectives(layers, seq, batch, hidden, tp, sequence_parallel=False,
-                                f_backward=True):
+                                f_backward=True, embedding=True, head=True):
     """[(op, elements of the full tensor)] one training step (forward, backward and the
     optimizer's step) of the course's transformer issues when it is split tp ways as in
     Megatron-LM, its vocabulary included.
@@ -158,19 +158,22 @@ def tensor_parallel_collectives(layers, seq, batch, hidden, tp, sequence_paralle
     before it (an all-gather, gathered again in backward, with sequence parallelism); the
     vocab-parallel cross-entropy all-reduces the logits' maximum, the sum of their
     exponentials and the target's logit, s*b elements each.
+    A pipeline stage holds some of the layers, and the embedding only on the first stage
+    (embedding=False elsewhere), the head and the loss only on the last (head=False).
     """
     sbh, sb = seq * batch * hidden, seq * batch
     if not sequence_parallel:
         per_layer = [("all_reduce", sbh)] * (4 if f_backward else 2)
-        outside = [("all_reduce", sbh)] * (2 if f_backward else 1)
+        outside = [("all_reduce", sbh)] * (embedding + (head and f_backward))
     else:
         per_layer = [("all_gather", sbh), ("reduce_scatter", sbh)] * 2   # f and g, forward
         per_layer += [("reduce_scatter", sbh), ("all_gather", sbh)] * 2  # their backward
         per_layer += [("all_gather", sbh)] * 2                           # inputs again
-        outside = [("reduce_scatter", sbh), ("all_gather", sbh)]         # embedding
-        outside += [("all_gather", sbh), ("reduce_scatter", sbh), ("all_gather", sbh)]  # head
-        outside += [("all_reduce", layers * 6 * hidden + seq * hidden + 2 * hidden)]
-    return per_layer * layers + outside + [("all_reduce", sb)] * 3
+        outside = [("reduce_scatter", sbh), ("all_gather", sbh)] * embedding
+        outside += [("all_gather", sbh), ("reduce_scatter", sbh), ("all_gather", sbh)] * head
+        replicated = layers * 6 * hidden + seq * hidden * embedding + 2 * hidden * head
+        outside += [("all_reduce", replicated)] if replicated else []
+    return per_layer * layers + outside + [("all_reduce", sb)] * (3 * head)
 
 
 def torch_tensor_parallel_collectives(layers, seq, batch, hidden, tp, sequence_parallel=False):

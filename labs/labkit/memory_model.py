@@ -318,3 +318,84 @@ def pipeline_peak_microbatches(schedule, stages, microbatches, chunks=1):
         per_round = m // max(1, m // p)
         return [min((v - 1) * per_round + 2 * (p - 1 - s) + 1, m * v) for s in range(p)]
     raise ValueError(f"unknown schedule {schedule!r}")
+
+
+# A configuration of data, pipeline and tensor parallelism: what one GPU holds.
+
+def stage_layers(layers, stages):
+    """[layers of each pipeline stage]: contiguous, as even as they go, the later stages
+    taking one more when p does not divide L (how split_pieces cuts the model)."""
+    if layers < stages:
+        raise ValueError(f"{layers} layers cannot fill {stages} pipeline stages")
+    bounds = [stage * layers // stages for stage in range(stages + 1)]
+    return [bounds[s + 1] - bounds[s] for s in range(stages)]
+
+
+def stage_params_per_rank(layers, hidden, vocab, seq, pp, tp, stage, tied_head=False):
+    """Parameters one rank of pipeline stage `stage` holds, the model split tp ways as in
+    Megatron-LM (tensor_parallel_params_per_rank) and its layers over pp stages: each
+    layer (12 h^2 + 7 h)/t + 6 h; the first stage adds the token embedding (V h / t) and
+    the positions (s h), the last the final LayerNorm (2 h) and the head (V h / t). A tied
+    head costs nothing more only when the embedding sits on the same stage (pp = 1); across
+    stages the last keeps its own copy, as Megatron-LM does."""
+    per_layer = (12 * hidden ** 2 + 7 * hidden) / tp + 6 * hidden
+    count = stage_layers(layers, pp)[stage] * per_layer
+    if stage == 0:
+        count += vocab * hidden / tp + seq * hidden
+    if stage == pp - 1:
+        count += 2 * hidden + (0 if tied_head and pp == 1 else vocab * hidden / tp)
+    return _whole_if_integral(count)
+
+
+def stage_activation_bytes(layers, seq, micro_batch, hidden, heads, vocab, tp=1,
+                           sequence_parallel=False, in_flight=1, first=True, last=True,
+                           value_bytes=2, dropout=True, checkpointing=False):
+    """Peak activation bytes of one rank of a pipeline stage holding `layers` layers and
+    `in_flight` micro-batches of `micro_batch` sequences at once (pipeline_peak_microbatches),
+    split tp ways (tensor_parallel_activation_bytes_per_layer); the first stage adds the
+    embedding's dropout mask, the last the head's activations (its logits' softmax split by
+    vocabulary). Without checkpointing every in-flight micro-batch keeps all of it. With
+    full checkpointing each keeps only its layers' inputs (1/t of them under sequence
+    parallelism) and the embedding's mask, and backward rebuilds one layer at a time: the
+    larger of one layer's activations and the head's comes on top. At tp = pp = 1 and one
+    micro-batch this is activation_bytes's peak."""
+    sp_split = tp if sequence_parallel else 1
+    one_layer = tensor_parallel_activation_bytes_per_layer(
+        seq, micro_batch, hidden, heads, tp, sequence_parallel, value_bytes, dropout)
+    embedding = embedding_activation_bytes(seq, micro_batch, hidden, dropout) / sp_split if first else 0
+    head = (value_bytes * 2 * seq * micro_batch * hidden / sp_split
+            + 4 * seq * micro_batch * vocab / tp) if last else 0
+    if not checkpointing:
+        return _whole_if_integral(in_flight * (embedding + layers * one_layer + head))
+    kept = embedding + layers * value_bytes * seq * micro_batch * hidden / sp_split
+    return _whole_if_integral(in_flight * kept + max(one_layer if layers else 0, head))
+
+
+def config_bytes_per_gpu(layers, hidden, heads, seq, vocab, dp=1, pp=1, tp=1, strategy="ddp",
+                         micro_batch=1, microbatches=1, schedule="1f1b",
+                         sequence_parallel=False, checkpointing=False, optimizer="adam",
+                         precision="mixed", dropout=True, tied_head=False):
+    """{params, grads, optimizer, states, activations, total, stage} on the fullest GPU of
+    a dp x pp x tp configuration: for each pipeline stage, its rank's parameters
+    (stage_params_per_rank) with their states sharded over dp by `strategy`
+    (state_bytes_per_gpu), plus the activations of the micro-batches it holds at once
+    (stage_activation_bytes); the stage with the largest total is returned. At
+    dp = pp = tp = 1 this is state_bytes_per_gpu and activation_bytes's peak."""
+    value_bytes = 2 if precision == "mixed" else 4
+    in_flight = pipeline_peak_microbatches(schedule, pp, microbatches)
+    per_stage_layers = stage_layers(layers, pp)
+    worst = None
+    for stage in range(pp):
+        params = stage_params_per_rank(layers, hidden, vocab, seq, pp, tp, stage, tied_head)
+        states = state_bytes_per_gpu(params, dp, strategy, optimizer, precision)
+        activations = stage_activation_bytes(
+            per_stage_layers[stage], seq, micro_batch, hidden, heads, vocab, tp,
+            sequence_parallel, in_flight[stage], stage == 0, stage == pp - 1, value_bytes,
+            dropout, checkpointing)
+        row = {"params": states["params"], "grads": states["grads"],
+               "optimizer": states["optimizer"], "states": states["total"],
+               "activations": activations, "total": states["total"] + activations,
+               "stage": stage}
+        if worst is None or row["total"] > worst["total"]:
+            worst = row
+    return worst

@@ -21,20 +21,20 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
+
+from .memory_model import stage_layers
 
 
 def split_pieces(model, pieces):
     """The model's units cut into `pieces` contiguous nn.Sequential pieces, the blocks as
-    evenly as they go (the first pieces get one more when they do not divide); the embedding
-    goes with the first piece and the head with the last. The pieces share the model's
-    modules: deep-copy the model first to keep it."""
-    layers = len(model.blocks)
-    if layers < pieces:
-        raise ValueError(f"{layers} layers cannot fill {pieces} pipeline pieces")
-    bounds = [piece * layers // pieces for piece in range(pieces + 1)]
-    result = []
-    for piece in range(pieces):
-        units = list(model.blocks[bounds[piece]:bounds[piece + 1]])
+    evenly as they go (memory_model.stage_layers: the later pieces get one more when they
+    do not divide); the embedding goes with the first piece and the head with the last.
+    The pieces share the model's modules: deep-copy the model first to keep it."""
+    result, start = [], 0
+    for piece, count in enumerate(stage_layers(len(model.blocks), pieces)):
+        units = list(model.blocks[start:start + count])
+        start += count
         if piece == 0:
             units.insert(0, model.embed)
         if piece == pieces - 1:
@@ -48,10 +48,15 @@ class OpClock:
     start, end), op "F" or "B". `compute_s`, if given, pads each forward to last exactly
     that long and each backward twice as long (the real work, then a sleep): a
     controlled-time experiment, in which the schedule alone sets the timeline.
-    `over_budget` counts the ops whose real work took longer than that."""
+    `over_budget` counts the ops whose real work took longer than that.
 
-    def __init__(self, compute_s=None):
-        self.compute_s = compute_s
+    An op's work runs outside any dispatch mode (the lab's collective counter): a pipeline
+    op holds no communication, and a mode's Python call on every tensor op would slow the
+    very work being timed. hide_modes=False keeps them, for ops that do communicate (a
+    tensor-parallel stage's all-reduces)."""
+
+    def __init__(self, compute_s=None, hide_modes=True):
+        self.compute_s, self.hide_modes = compute_s, hide_modes
         self.reset()
 
     def reset(self):
@@ -60,7 +65,8 @@ class OpClock:
     @contextlib.contextmanager
     def op(self, kind, microbatch, piece=0):
         start = time.perf_counter()
-        yield
+        with _disable_current_modes() if self.hide_modes else contextlib.nullcontext():
+            yield
         if self.compute_s is not None:
             left = start + self.compute_s * (1 if kind == "F" else 2) - time.perf_counter()
             if left > 0:
@@ -107,10 +113,10 @@ def schedule_order(schedule, stages, stage, microbatches):
     raise ValueError(f"unknown schedule {schedule!r}")
 
 
-def _recv(shape, source, device, what, stage, timeout_s):
+def _recv(shape, source, device, what, stage, timeout_s, group=None):
     buffer = torch.empty(shape, device=device)
     try:
-        dist.recv(buffer, src=source)
+        dist.recv(buffer, src=source, group=group)
     except RuntimeError as error:   # gloo and NCCL raise on the group's timeout
         raise TimeoutError(f"stage {stage} waited {timeout_s:g} s for {what} from rank "
                            f"{source} and gave up: the schedule is deadlocked") from error
@@ -119,14 +125,16 @@ def _recv(shape, source, device, what, stage, timeout_s):
 
 def run_schedule(piece, order, stage, stages, inputs, targets, loss_fn, *, clock,
                  prev_rank=None, next_rank=None, activation_shape, device, scale_loss=True,
-                 recv_before_send=False, timeout_s=0.0):
+                 recv_before_send=False, timeout_s=0.0, group=None):
     """One step of stage `stage`, each op timed by `clock`: the forwards and backwards of `order` on micro-batches
     `inputs` (used by the first stage) and `targets` (by the last), activations sent to
     `next_rank` and gradients to `prev_rank` (global ranks). The loss of each micro-batch
     is divided by m, so that the gradients are those of the whole batch's mean loss
     (scale_loss=False is a pitfall: m times too large). recv_before_send is another: each
     stage waits for a micro-batch's gradient before sending the activation it needs, and
-    the pipeline deadlocks until the group's timeout. Returns the last stage's losses."""
+    the pipeline deadlocks until the group's timeout. `group` is the process group the
+    sends go over (None: the world; ranks stay global either way). Returns the last
+    stage's losses."""
     first, last = stage == 0, stage == stages - 1
     m = len(inputs)
     kept, sends, losses = {}, [], []
@@ -134,7 +142,7 @@ def run_schedule(piece, order, stage, stages, inputs, targets, loss_fn, *, clock
         if op == "F":
             x = inputs[i] if first else _recv(activation_shape, prev_rank, device,
                                               f"micro-batch {i}'s activations", stage,
-                                              timeout_s).requires_grad_()
+                                              timeout_s, group).requires_grad_()
             with clock.op("F", i, stage):
                 y = piece(x)
                 if last:
@@ -144,18 +152,19 @@ def run_schedule(piece, order, stage, stages, inputs, targets, loss_fn, *, clock
             if not last:
                 if recv_before_send:
                     _recv(activation_shape, next_rank, device, f"micro-batch {i}'s gradient",
-                          stage, timeout_s)
+                          stage, timeout_s, group)
                 out = y.detach()
-                sends.append((dist.isend(out, dst=next_rank), out))
+                sends.append((dist.isend(out, dst=next_rank, group=group), out))
             kept[i] = (x, y)
         else:
             x, y = kept.pop(i)
             grad = None if last else _recv(y.shape, next_rank, device,
-                                           f"micro-batch {i}'s gradient", stage, timeout_s)
+                                           f"micro-batch {i}'s gradient", stage, timeout_s,
+                                           group)
             with clock.op("B", i, stage):
                 torch.autograd.backward(y, grad)
             if not first:
-                sends.append((dist.isend(x.grad, dst=prev_rank), x.grad))
+                sends.append((dist.isend(x.grad, dst=prev_rank, group=group), x.grad))
     for handle, _ in sends:
         handle.wait()
     return losses

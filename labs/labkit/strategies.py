@@ -7,6 +7,9 @@ pattern of torchtitan's parallelize_* functions).
                   sequence parallelism; qkv_rows_of_rank says which rows hold a rank's heads
   apply_pp        torch's pipeline schedules (torch.distributed.pipelining) over the pieces
                   a rank holds: GPipe, 1F1B, interleaved 1F1B
+  allreduce_gradients   the gradients of some parameters summed (or averaged) over a
+                  process group, in one flat buffer: data parallelism by hand, after all
+                  of a step's micro-batches (as Megatron-LM's DDP does under a pipeline)
   train_step      forward, next-token loss, backward, optimizer step, gradients zeroed
   TorchDDP        torch's DDP with its optimizer, stepped as one: the reference that the
                   labs' own data-parallel implementations are checked and timed against
@@ -134,6 +137,21 @@ def apply_pp(pieces, piece_indices, num_pieces, schedule, microbatches, loss_fn,
     scaled_loss = lambda output, target: loss_fn(output, target) / microbatches  # noqa: E731
     return schedule_class(stages if schedule == "interleaved" else stages[0], microbatches,
                           loss_fn=scaled_loss, **options)
+
+
+def allreduce_gradients(params, group=None, average=False):
+    """Sum the gradients of `params` over the ranks of `group` (average=True: their mean),
+    as one all-reduce of one flat buffer. Parameters without a gradient are skipped."""
+    import torch.distributed as dist
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat, group=group)
+    if average:
+        flat /= dist.get_world_size(group)
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
 
 
 def train_step(model, optimizer, ids, targets, after_backward=None, set_to_none=True):

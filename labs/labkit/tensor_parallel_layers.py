@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import distenv
-from .strategies import qkv_rows_of_rank
+from .strategies import allreduce_gradients, qkv_rows_of_rank
 
 
 # The communication operators
@@ -272,12 +272,13 @@ class TensorParallelTransformer(nn.Module):
 
     def reduce_replicated_gradients(self):
         """All-reduce the partial gradients of replicated_gradients(), as one flat buffer."""
-        partial = [p.grad for p in self.replicated_gradients()]
-        if partial:
-            flat = torch.cat([g.flatten() for g in partial])
-            dist.all_reduce(flat, group=self.group)
-            for g, part in zip(partial, flat.split([g.numel() for g in partial])):
-                g.copy_(part.view_as(g))
+        allreduce_gradients(self.replicated_gradients(), self.group)
+
+    @property
+    def head(self):
+        """The final LayerNorm and the vocabulary-parallel output layer, as one module: the
+        last piece of a pipeline (pipeline_schedules.split_pieces)."""
+        return nn.Sequential(self.norm, self.out)
 
     def full_parameters(self):
         """{name: full tensor}, named as in the full model (a collective)."""

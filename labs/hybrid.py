@@ -1,0 +1,271 @@
+"""3-D parallelism: data x pipeline x tensor on one device mesh, checked against one process.
+
+The world's N = dp x pp x tp ranks form a mesh with tp innermost, pp next and dp outermost
+(labkit/mesh.py); rank r sits at d = r // (pp tp), p = r // tp % pp, t = r % tp. Every rank
+builds the course's transformer from the same seed, splits each layer over its
+tensor-parallel group as Megatron-LM does (labkit/tensor_parallel_layers.py), keeps the
+contiguous layers of its pipeline stage (p of pp), and trains them with the 1F1B (or
+GPipe) schedule from scratch (labkit/pipeline_schedules.py) on its data-parallel share of
+each step's batch, cut into --microbatches micro-batches. After the last micro-batch the
+gradients are averaged over the data-parallel group in one all-reduce, as Megatron-LM's
+DDP does under a pipeline, and SGD with momentum steps.
+
+The trained parameters, put back together, are compared with one process that trains
+the whole model on the whole batch. Every collective of the first step is counted by the
+process group it runs on, so the bytes of each dimension are measured apart and set
+beside the cost models: tensor parallelism's all-reduces (comm_model.
+tensor_parallel_collectives, for the layers, embedding and head a stage holds), the
+pipeline's sends (pipeline_p2p_bytes_per_rank) and the gradients' all-reduce
+(data_parallel_bytes_per_rank). The parameters, gradients and momentum each rank holds
+are counted beside memory_model.stage_params_per_rank.
+
+Launch lines (from the repository root):
+  laptop, gloo on CPU, 8 ranks:  torchrun --standalone --nproc_per_node=8 labs/hybrid.py \\
+                                   --dp 2 --pp 2 --tp 2 --out hybrid.json
+  an odd degree:                 torchrun --standalone --nproc_per_node=3 labs/hybrid.py \\
+                                   --dp 1 --pp 1 --tp 3
+  GPU box, NCCL (tp inside the node):  torchrun --standalone --nproc_per_node=8 \\
+                                   labs/hybrid.py --dp 2 --pp 2 --tp 2 --out hybrid.json
+  two nodes (run on each, HOST = node 0's address; dp spans the nodes):
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
+             --rdzv-id=hybrid labs/hybrid.py --dp 4 --pp 2 --tp 2 --out hybrid.json
+
+JSON: `dp`, `pp`, `tp`, `shape`, `batch`, `microbatches`, `schedule`; `mesh` [{rank, dp,
+pp, tp}]; `groups` {dp, pp, tp: [[ranks]]}, checked against init_device_mesh's own groups
+(`groups_match_init_device_mesh`); `max_param_diff`; `state_bytes_per_rank` and
+`predicted_state_bytes_per_rank` [{params, grads, optimizer, total}, one per rank];
+`comm_bytes_per_rank` and `predicted_comm_bytes_per_rank` {dp, pp, tp: [bytes each rank
+sends in one step, one per rank]}.
+"""
+
+import contextlib
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from labkit import comm_model, distenv, memory_model, mesh
+from labkit.collectives import CountCollectives
+from labkit.pipeline_schedules import OpClock, run_schedule, schedule_order, split_pieces
+from labkit.strategies import allreduce_gradients, rank_batch
+from labkit.tensor_parallel_layers import TensorParallelTransformer, VocabParallelCrossEntropy
+from labkit.transformer import (Shape, Transformer, add_shape_args, next_token_loss,
+                                shape_from_args)
+
+# 6 heads and a vocabulary of 48 split over tp = 1, 2, 3 (and 6); 4 layers fill pp = 1..4
+SHAPE = Shape(layers=4, hidden=24, heads=6, seq=8, vocab=48)
+BATCH = 24            # sequences per step: divisible by dp x m for dp = 1..4 and m = 1, 2
+MICROBATCHES = 2
+STEPS = 2             # the first is counted; the second shows the momentum is right too
+LEARNING_RATE, MOMENTUM = 0.1, 0.9
+VALUE_BYTES = 4       # fp32 throughout
+
+
+def reference(shape, args, device):
+    """One process, the whole model, the whole batch: {name: trained parameter}."""
+    torch.manual_seed(args.seed)
+    model = Transformer(shape).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE, momentum=MOMENTUM)
+    for step in range(args.steps):
+        ids, targets = rank_batch(shape, args.batch, args.seed, step, 0, device)
+        next_token_loss(model(ids), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return dict(model.named_parameters())
+
+
+def own_names(name, stage, stages, layers):
+    """Whether full-model parameter `name` belongs to pipeline stage `stage`."""
+    start = sum(memory_model.stage_layers(layers, stages)[:stage])
+    count = memory_model.stage_layers(layers, stages)[stage]
+    if name.startswith("embed."):
+        return stage == 0
+    if name.startswith("head."):
+        return stage == stages - 1
+    return start <= int(name.split(".")[1]) < start + count
+
+
+def device_mesh(args, env):
+    """torch's DeviceMesh of (dp, pp, tp) and its groups; fails if they are not the ones
+    labkit.mesh lays out."""
+    from torch.distributed.device_mesh import init_device_mesh
+    device_mesh = init_device_mesh(env.device.type, (args.dp, args.pp, args.tp),
+                                   mesh_dim_names=mesh.DIMENSIONS)
+    process_groups = {dim: device_mesh.get_group(dim) for dim in mesh.DIMENSIONS}
+    mine = {dim: dist.get_process_group_ranks(group) for dim, group in process_groups.items()}
+    everyone = [None] * env.world_size
+    dist.all_gather_object(everyone, mine)
+    theirs = {dim: sorted({tuple(ranks[dim]) for ranks in everyone}) for dim in mesh.DIMENSIONS}
+    expected = mesh.groups(args.dp, args.pp, args.tp)
+    if any([list(g) for g in theirs[dim]] != expected[dim] for dim in mesh.DIMENSIONS):
+        raise RuntimeError(f"init_device_mesh made groups {theirs}, labkit.mesh expects {expected}")
+    return process_groups
+
+
+def measured_state(piece, optimizer):
+    """{params, grads, optimizer, total} bytes this rank holds, counted tensor by tensor."""
+    params = list(piece.parameters())
+    nbytes = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731
+    state = [v for p in params for v in optimizer.state[p].values() if torch.is_tensor(v)]
+    row = {"params": nbytes(params), "grads": nbytes(p.grad for p in params if p.grad is not None),
+           "optimizer": nbytes(state)}
+    row["total"] = sum(row.values())
+    return row
+
+
+def predictions(shape, args, stage):
+    """(state {params, grads, optimizer, total}, comm {dp, pp, tp}) bytes for a rank of
+    pipeline stage `stage`, from the cost models."""
+    dp, pp, tp, m = args.dp, args.pp, args.tp, args.microbatches
+    micro = args.batch // (dp * m)
+    params = memory_model.stage_params_per_rank(shape.layers, shape.hidden, shape.vocab,
+                                                shape.seq, pp, tp, stage)
+    state = memory_model.state_bytes_per_gpu(params, dp, "ddp", "momentum", "fp32")
+    tp_plan = comm_model.tensor_parallel_collectives(
+        memory_model.stage_layers(shape.layers, pp)[stage], shape.seq, micro, shape.hidden, tp,
+        embedding=stage == 0, head=stage == pp - 1)
+    comm = {"dp": comm_model.data_parallel_bytes_per_rank("ddp", params, dp, VALUE_BYTES),
+            "pp": comm_model.pipeline_p2p_bytes_per_rank(pp, m, micro * shape.seq * shape.hidden,
+                                                         value_bytes=VALUE_BYTES)[stage],
+            "tp": m * comm_model.collectives_summary(tp_plan, tp, VALUE_BYTES)[0]}
+    return state, comm
+
+
+def run(args, env):
+    shape = shape_from_args(args)
+    groups = device_mesh(args, env)
+    here = mesh.coordinates(env.rank, args.dp, args.pp, args.tp)
+    stage, m = here["pp"], args.microbatches
+    first, last = stage == 0, stage == args.pp - 1
+
+    torch.manual_seed(args.seed)   # the reference's initial weights, on every rank
+    model = TensorParallelTransformer(Transformer(shape).to(env.device), groups["tp"])
+    piece = split_pieces(model, args.pp)[stage]
+    optimizer = torch.optim.SGD(piece.parameters(), lr=LEARNING_RATE, momentum=MOMENTUM)
+    loss_fn = lambda logits, targets: VocabParallelCrossEntropy.apply(  # noqa: E731
+        logits, targets, model.out.rows[0], groups["tp"])
+    micro = args.batch // (args.dp * m)
+    order = schedule_order(args.schedule, args.pp, stage, m)
+    counters = {dim: comm_model.CollectiveCounter(dist.get_world_size(groups[dim]))
+                for dim in mesh.DIMENSIONS}
+    elsewhere = comm_model.CollectiveCounter(env.world_size)
+
+    for step in range(args.steps):
+        ids, targets = rank_batch(shape, args.batch, args.seed, step, 0, env.device)
+        ids, targets = ids.chunk(args.dp)[here["dp"]], targets.chunk(args.dp)[here["dp"]]
+        counting = CountCollectives(elsewhere, {groups[dim].group_name: counters[dim]
+                                                for dim in mesh.DIMENSIONS})
+        with counting if step == 0 else contextlib.nullcontext():
+            run_schedule(piece, order, stage, args.pp, ids.chunk(m), targets.chunk(m), loss_fn,
+                         clock=OpClock(hide_modes=False), prev_rank=env.rank - args.tp,
+                         next_rank=env.rank + args.tp, activation_shape=(micro, shape.seq,
+                                                                         shape.hidden),
+                         device=env.device, timeout_s=args.timeout, group=groups["pp"])
+            allreduce_gradients(piece.parameters(), groups["dp"], average=True)
+        optimizer.step()
+        if step == 0:
+            state = measured_state(piece, optimizer)
+        optimizer.zero_grad(set_to_none=True)
+    if elsewhere.counts:
+        raise RuntimeError(f"collectives outside the mesh's groups: {elsewhere.counts}")
+
+    expected = reference(shape, args, env.device)
+    full = model.full_parameters()   # every rank of a tp group, the same order
+    diff = max((full[name] - expected[name].detach()).abs().max().item()
+               for name in full if own_names(name, stage, args.pp, shape.layers))
+    worst = torch.tensor([diff], device=env.device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+
+    predicted_state, predicted_comm = predictions(shape, args, stage)
+    mine = {"coords": here, "state": state, "predicted_state": predicted_state,
+            "comm": {dim: counters[dim].sent for dim in mesh.DIMENSIONS},
+            "predicted_comm": predicted_comm}
+    ranks = [None] * env.world_size
+    dist.all_gather_object(ranks, mine)
+    exact = lambda value: int(value) if value == int(value) else float(value)  # noqa: E731
+    per_dim = lambda key: {dim: [exact(r[key][dim]) for r in ranks]  # noqa: E731
+                           for dim in mesh.DIMENSIONS}
+    return {"dp": args.dp, "pp": args.pp, "tp": args.tp, "shape": dataclasses.asdict(shape),
+            "batch": args.batch, "microbatches": m, "schedule": args.schedule,
+            "mesh": [{"rank": rank, **r["coords"]} for rank, r in enumerate(ranks)],
+            "groups": mesh.groups(args.dp, args.pp, args.tp),
+            "groups_match_init_device_mesh": True,
+            "max_param_diff": worst.item(),
+            "state_bytes_per_rank": [r["state"] for r in ranks],
+            "predicted_state_bytes_per_rank": [{k: exact(v) for k, v in r["predicted_state"].items()}
+                                               for r in ranks],
+            "comm_bytes_per_rank": per_dim("comm"),
+            "predicted_comm_bytes_per_rank": per_dim("predicted_comm")}
+
+
+def report(env, result):
+    env.print0(f"{'rank':>4} {'dp':>3} {'pp':>3} {'tp':>3} {'state B':>9} {'predicted':>9}   "
+               + "   ".join(f"{dim} sent (predicted)" for dim in mesh.DIMENSIONS))
+    for entry, state, pred in zip(result["mesh"], result["state_bytes_per_rank"],
+                                  result["predicted_state_bytes_per_rank"]):
+        rank = entry["rank"]
+        comm = "   ".join(f"{result['comm_bytes_per_rank'][dim][rank]:>8,} "
+                          f"({result['predicted_comm_bytes_per_rank'][dim][rank]:>8,})"
+                          for dim in mesh.DIMENSIONS)
+        env.print0(f"{rank:>4} {entry['dp']:>3} {entry['pp']:>3} {entry['tp']:>3} "
+                   f"{state['total']:>9,} {pred['total']:>9,}   {comm}")
+    env.print0(f"groups: {result['groups']}")
+    env.print0(f"max |parameter - one process| {result['max_param_diff']:.1e}")
+
+
+def check(args, world_size):
+    """Degrees that the world and the model can be split by, or one line saying why not."""
+    if args.dp is None:
+        if world_size % (args.pp * args.tp):
+            distenv.fail(f"a world of {world_size} ranks is not a multiple of --pp {args.pp} "
+                         f"x --tp {args.tp}")
+        args.dp = world_size // (args.pp * args.tp)
+    if args.dp * args.pp * args.tp != world_size:
+        distenv.fail(f"--dp {args.dp} x --pp {args.pp} x --tp {args.tp} = "
+                     f"{args.dp * args.pp * args.tp}, but the world has {world_size} ranks")
+    for what, value in (("--heads", args.heads), ("--vocab", args.vocab)):
+        if value % args.tp:
+            distenv.fail(f"{what} {value} does not split over --tp {args.tp}")
+    if args.layers < args.pp:
+        distenv.fail(f"--layers {args.layers} cannot give each of --pp {args.pp} stages a layer")
+    if args.batch % (args.dp * args.microbatches):
+        distenv.fail(f"--batch {args.batch} does not divide into --dp {args.dp} x "
+                     f"--microbatches {args.microbatches} equal micro-batches")
+
+
+def parse_args(argv=None):
+    parser = distenv.lab_parser(__doc__)
+    parser.add_argument("--dp", type=distenv.positive_int, default=None,
+                        help="data-parallel degree (default: world / (pp x tp))")
+    parser.add_argument("--pp", type=distenv.positive_int, default=1, help="pipeline stages")
+    parser.add_argument("--tp", type=distenv.positive_int, default=1,
+                        help="tensor-parallel degree")
+    parser.add_argument("--microbatches", type=distenv.positive_int, default=MICROBATCHES,
+                        help="micro-batches per step on each data-parallel rank")
+    parser.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
+    parser.add_argument("--batch", type=distenv.positive_int, default=BATCH,
+                        help="sequences per step, over all data-parallel ranks")
+    parser.add_argument("--steps", type=distenv.positive_int, default=STEPS, help="training steps")
+    add_shape_args(parser, SHAPE)
+    args = parser.parse_args(argv)
+    shape_from_args(args)
+    return args
+
+
+def main():
+    args = parse_args()
+    with distenv.initialize(args) as env:
+        check(args, env.world_size)
+        env.print0(f"mesh dp {args.dp} x pp {args.pp} x tp {args.tp} ({env.backend}), "
+                   f"{args.microbatches} micro-batches of {args.batch // (args.dp * args.microbatches)}"
+                   f" sequences, {args.schedule}")
+        try:
+            result = env.write_result(args, run(args, env))
+        except TimeoutError as error:
+            distenv.fail(str(error))
+        if result is not None:
+            report(env, result)
+
+
+if __name__ == "__main__":
+    main()

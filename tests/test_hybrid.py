@@ -1,0 +1,77 @@
+"""The 3-D lab: data x pipeline x tensor parallelism on one device mesh, against one process
+trained on the whole batch, with each dimension's bytes counted against the cost models.
+The chapter runs (2, 2, 2) on 8 ranks and asserts the same (hybrid.md, hidden cells)."""
+
+import pytest
+
+import hybrid
+from conftest import assert_fails_with_one_line, assert_refused
+from labkit import mesh
+from labkit.launch import run_lab
+
+# (dp, pp, tp): the issue's four layouts and odd degrees along each dimension
+DEGREES = [(2, 1, 2), (2, 2, 1), (1, 2, 2), (2, 2, 2), (1, 3, 1), (3, 1, 1), (1, 1, 3)]
+
+
+@pytest.fixture(scope="module", params=DEGREES, ids=lambda d: "dp%d-pp%d-tp%d" % d)
+def result(request):
+    dp, pp, tp = request.param
+    return run_lab("hybrid", dp * pp * tp, ["--dp", dp, "--pp", pp, "--tp", tp], echo=False)
+
+
+def test_the_trained_model_is_the_single_process_one(result):
+    assert result["max_param_diff"] <= 1e-5
+
+
+def test_the_mesh_puts_tp_innermost_and_matches_init_device_mesh(result):
+    dp, pp, tp = result["dp"], result["pp"], result["tp"]
+    assert result["world_size"] == dp * pp * tp
+    assert result["groups_match_init_device_mesh"] is True
+    assert [(e["dp"], e["pp"], e["tp"]) for e in result["mesh"]] == [
+        (d, p, t) for d in range(dp) for p in range(pp) for t in range(tp)]
+    assert result["groups"] == mesh.groups(dp, pp, tp)
+    for dim, size in (("dp", dp), ("pp", pp), ("tp", tp)):
+        groups = result["groups"][dim]
+        assert len(groups) == dp * pp * tp // size and all(len(g) == size for g in groups)
+        assert sorted(r for g in groups for r in g) == list(range(dp * pp * tp))
+
+
+def test_counted_bytes_and_state_equal_the_cost_models_exactly(result):
+    assert result["comm_bytes_per_rank"] == result["predicted_comm_bytes_per_rank"]
+    assert result["state_bytes_per_rank"] == result["predicted_state_bytes_per_rank"]
+    dp, pp, tp = result["dp"], result["pp"], result["tp"]
+    # a dimension of one sends nothing, and every dimension of more than one sends something
+    for dim, size in (("dp", dp), ("pp", pp), ("tp", tp)):
+        sent = result["comm_bytes_per_rank"][dim]
+        assert all(b == 0 for b in sent) if size == 1 else all(b > 0 for b in sent), dim
+
+
+def test_tp_divides_the_state_and_dp_does_not(result):
+    """Under DDP over dp every data-parallel replica holds the same bytes; tensor
+    parallelism splits them (within the replicated LayerNorms and biases)."""
+    per_rank = [s["total"] for s in result["state_bytes_per_rank"]]
+    for group in result["groups"]["dp"]:
+        assert len({per_rank[r] for r in group}) == 1
+    if result["tp"] > 1 and result["pp"] == 1:
+        whole = 3 * 4 * hybrid.memory_model.transformer_params(
+            *(result["shape"][k] for k in ("layers", "hidden", "vocab", "seq")))
+        assert whole / result["tp"] < per_rank[0] < whole / result["tp"] * 1.2
+
+
+def test_bad_input_is_refused_in_one_line(script):
+    assert_refused(hybrid.parse_args, ["--tp", "0"], "--tp must be at least 1")
+    assert_refused(hybrid.parse_args, ["--schedule", "interleaved"], "invalid choice")
+    assert_fails_with_one_line(script("hybrid", "--dp", "2"),
+                               "--dp 2 x --pp 1 x --tp 1 = 2, but the world has 1 ranks")
+    assert_fails_with_one_line(script("hybrid", "--pp", "5", "--dp", "1"),
+                               "a world of 1 ranks is not a multiple of --pp 5")
+
+
+def test_degrees_the_model_cannot_take_are_refused():
+    for argv, words in ((["--tp", "4", "--heads", "6"], "--heads 6 does not split over --tp 4"),
+                        (["--pp", "3", "--layers", "2"], "--layers 2 cannot give each of --pp 3"),
+                        (["--dp", "5"], "--batch 24 does not divide into --dp 5")):
+        args = hybrid.parse_args(argv)
+        with pytest.raises(SystemExit) as error:
+            hybrid.check(args, (args.dp or 1) * args.pp * args.tp)
+        assert words in str(error.value)
