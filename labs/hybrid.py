@@ -199,17 +199,19 @@ def run(args, env):
 
 
 def report(env, result):
-    env.print0(f"{'rank':>4} {'dp':>3} {'pp':>3} {'tp':>3} {'state B':>9} {'predicted':>9}   "
-               + "   ".join(f"{dim} sent (predicted)" for dim in mesh.DIMENSIONS))
-    for entry, state, pred in zip(result["mesh"], result["state_bytes_per_rank"],
-                                  result["predicted_state_bytes_per_rank"]):
-        rank = entry["rank"]
-        comm = "   ".join(f"{result['comm_bytes_per_rank'][dim][rank]:>8,} "
-                          f"({result['predicted_comm_bytes_per_rank'][dim][rank]:>8,})"
-                          for dim in mesh.DIMENSIONS)
+    env.print0(f"{'rank':>4} {'dp':>3} {'pp':>3} {'tp':>3} {'state B':>8} "
+               f"{'dp sent':>8} {'pp sent':>8} {'tp sent':>8}")
+    for entry, state in zip(result["mesh"], result["state_bytes_per_rank"]):
+        rank, sent = entry["rank"], result["comm_bytes_per_rank"]
         env.print0(f"{rank:>4} {entry['dp']:>3} {entry['pp']:>3} {entry['tp']:>3} "
-                   f"{state['total']:>9,} {pred['total']:>9,}   {comm}")
-    env.print0(f"groups: {result['groups']}")
+                   f"{state['total']:>8,} {sent['dp'][rank]:>8,} {sent['pp'][rank]:>8,} "
+                   f"{sent['tp'][rank]:>8,}")
+    exact = (result["comm_bytes_per_rank"] == result["predicted_comm_bytes_per_rank"]
+             and result["state_bytes_per_rank"] == result["predicted_state_bytes_per_rank"])
+    env.print0("every state and byte count " + ("equals its prediction" if exact else
+                                                "does NOT equal its prediction"))
+    for dim in mesh.DIMENSIONS:
+        env.print0(f"{dim} groups: {result['groups'][dim]}")
     env.print0(f"max |parameter - one process| {result['max_param_diff']:.1e}")
 
 
@@ -247,7 +249,7 @@ def parse_args(argv=None):
                         help="sequences per step, over all data-parallel ranks")
     parser.add_argument("--steps", type=distenv.positive_int, default=STEPS, help="training steps")
     add_shape_args(parser, SHAPE)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(None if argv is None else [str(a) for a in argv])
     shape_from_args(args)
     return args
 

@@ -16,9 +16,12 @@ flight on it. Step time is the sum of:
              a node), not overlapped
   pp         per micro-batch, a b s h activation forward and its gradient back, on the
              network when the stages span nodes, not overlapped
-  dp         the gradients' reduction (ZeRO-3: and the parameters' gathers) of the
-             stage's 16-bit parameters, on the network when the group spans nodes,
-             overlapped with the last micro-batch's backward
+  dp         the data-parallel collectives of the stage's 16-bit parameters
+             (comm_model.data_parallel_step_collectives: one reduction per step for DDP
+             and ZeRO-1, one per micro-batch for ZeRO-2, and ZeRO-3's gathers of every
+             layer for every micro-batch, each with its ring latency), on the network
+             when the group spans nodes; hidden behind the last micro-batch's backward
+             (DDP, ZeRO-1), every backward (ZeRO-2) or all of the compute (ZeRO-3)
   (comm_model's alpha-beta costs, hardware.py's links). Everything is a model: it ranks
 configurations and shows where time goes; it does not replace measuring a few of them.
 
@@ -41,13 +44,17 @@ import math
 import sys
 
 from labkit import comm_model, hardware, memory_model, time_model
-from labkit.distenv import fail, positive_int
+from labkit.distenv import choice_list, fail, positive_int
 from labkit.transformer import Shape
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
-ZERO = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3"}
 VALUE_BYTES = 2          # bf16 activations and gradients on the wire
 ASPECT = 128             # hidden / layers of GPT-3's models: a shape from --params alone
+# The fraction of the dense peak the computation itself runs at, nothing waiting: large
+# bf16 matmuls reach well above it, attention, norms and elementwise kernels well below.
+# An assumption, not a measurement: vary it with --mfu. The achieved MFU the planner
+# reports is lower, since the bubble and exposed communication come on top.
+COMPUTE_EFFICIENCY = 0.55
 HEAD_DIM = 128
 
 
@@ -64,13 +71,23 @@ def divisors(n):
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def links(dp, pp, tp, gpus_per_node):
+def links(dp, pp, tp, args):
     """(alpha, beta) of the link each dimension's traffic crosses, with ranks placed tp
     innermost: a group inside one node uses NVLink, one that spans nodes the network."""
-    inside = lambda span: span <= gpus_per_node  # noqa: E731
-    return {"tp": hardware.NVLINK if inside(tp) else hardware.NIC,
-            "pp": hardware.NVLINK if inside(tp * pp) else hardware.NIC,
-            "dp": hardware.NVLINK if inside(tp * pp * dp) else hardware.NIC}
+    nvlink = (hardware.NVLINK[0], args.nvlink_gb_s * 1e9)
+    network = (hardware.NIC[0], args.network_gb_s * 1e9)
+    inside = lambda span: span <= args.gpus_per_node  # noqa: E731
+    return {"tp": nvlink if inside(tp) else network,
+            "pp": nvlink if inside(tp * pp) else network,
+            "dp": nvlink if inside(tp * pp * dp) else network}
+
+
+def collective_time(op, bytes_, world_size, alpha_s, beta_bytes_per_s):
+    """A ring collective's alpha-beta time (comm_model, time_model): all-reduce, or half of
+    one for an all-gather or reduce-scatter."""
+    if op == "all_reduce":
+        return comm_model.allreduce_time(bytes_, world_size, alpha_s, beta_bytes_per_s)
+    return time_model.shard_collective_time(bytes_, world_size, alpha_s, beta_bytes_per_s)
 
 
 def step_time(shape, params, config, args):
@@ -81,7 +98,7 @@ def step_time(shape, params, config, args):
         params, tokens, args.peak_tflops * 1e12, args.mfu)
     forward, backward = forward / args.gpus, backward / args.gpus
     compute = forward * (2 if config["checkpointing"] else 1) + backward
-    link = links(dp, pp, tp, args.gpus_per_node)
+    link = links(dp, pp, tp, args)
     sbh_bytes = VALUE_BYTES * b * shape.seq * shape.hidden
     layers = math.ceil(shape.layers / pp)
     allreduces = 6 if config["checkpointing"] else 4
@@ -91,11 +108,15 @@ def step_time(shape, params, config, args):
     pp_s = m * 2 * (alpha + sbh_bytes / beta) if pp > 1 else 0.0
     stage_params = max(memory_model.stage_params_per_rank(
         shape.layers, shape.hidden, shape.vocab, shape.seq, pp, tp, s) for s in range(pp))
-    alpha, beta = link["dp"]
-    dp_bytes = float(comm_model.data_parallel_bytes_per_rank(
-        "zero3" if config["zero"] == "zero3" else "ddp", round(stage_params), dp, VALUE_BYTES))
-    dp_s = (2 * (dp - 1) * alpha + dp_bytes / beta) if dp > 1 else 0.0
-    dp_exposed = max(0.0, dp_s - backward / m)
+    dp_plan = comm_model.data_parallel_step_collectives(config["zero"], stage_params, m, layers)
+    dp_s = sum(collective_time(op, VALUE_BYTES * numel, dp, *link["dp"])
+               for op, numel in dp_plan) if dp > 1 else 0.0
+    # what overlaps it: the last micro-batch's backward for one reduction per step (DDP's
+    # buckets, ZeRO-1), every backward for ZeRO-2's per-micro-batch reductions, all of the
+    # compute for ZeRO-3's gathers, which are prefetched one unit ahead
+    window = {"ddp": backward / m, "zero1": backward / m, "zero2": backward,
+              "zero3": compute}[config["zero"]]
+    dp_exposed = max(0.0, dp_s - window)
     result = {"compute": compute, "bubble": compute * (pp - 1) / m, "tp": tp_s, "pp": pp_s,
               "dp": dp_exposed}
     result["step"] = sum(result.values())
@@ -122,14 +143,14 @@ def configurations(shape, args):
                 if (sequences // dp) % b:
                     continue
                 m = sequences // dp // b
-                for zero in ZERO:
+                for zero in args.zero:
                     for checkpointing in (False, True):
                         config = {"dp": dp, "pp": pp, "tp": tp, "zero": zero, "micro_batch": b,
                                   "microbatches": m, "checkpointing": checkpointing,
                                   "sequence_parallel": tp > 1}
                         memory = memory_model.config_bytes_per_gpu(
                             shape.layers, shape.hidden, shape.heads, shape.seq, shape.vocab,
-                            dp, pp, tp, ZERO[zero], b, m, "1f1b", tp > 1, checkpointing)
+                            dp, pp, tp, zero, b, m, "1f1b", tp > 1, checkpointing)
                         if memory["total"] > limit:
                             continue
                         time_s = step_time(shape, params, config, args)
@@ -182,11 +203,19 @@ def parse_args(argv=None):
     parser.add_argument("--peak-tflops", type=positive_float,
                         default=hardware.H100_BF16_FLOPS / 1e12,
                         help="dense 16-bit peak per GPU (default: H100 SXM)")
-    parser.add_argument("--mfu", type=positive_float, default=hardware.UTILIZATION,
-                        help="fraction of the peak the compute runs at")
+    parser.add_argument("--mfu", type=positive_float, default=COMPUTE_EFFICIENCY,
+                        help="fraction of the peak the computation runs at when nothing "
+                             f"waits (default {COMPUTE_EFFICIENCY}, an assumption)")
+    parser.add_argument("--nvlink-gb-s", type=positive_float, default=hardware.NVLINK[1] / 1e9,
+                        help="bandwidth inside a node per GPU, GB/s (default: H100 NVLink)")
+    parser.add_argument("--network-gb-s", type=positive_float, default=hardware.NIC[1] / 1e9,
+                        help="bandwidth between nodes per GPU, GB/s (default: 400 Gb/s NDR)")
+    parser.add_argument("--zero", type=choice_list(memory_model.STRATEGIES),
+                        default=list(memory_model.STRATEGIES),
+                        help="ZeRO stages to consider, comma-separated (ddp: none)")
     parser.add_argument("--top", type=positive_int, default=10, help="configurations printed")
     parser.add_argument("--json", action="store_true", help="print JSON")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(None if argv is None else [str(a) for a in argv])
     given = [n for n in ("layers", "hidden", "heads", "vocab") if getattr(args, n) is not None]
     if args.params is not None:
         if given:
@@ -218,7 +247,8 @@ def main(argv=None):
     header = {"model": {**shape.__dict__, "params": params},
               "hardware": {"gpus": args.gpus, "gpus_per_node": args.gpus_per_node,
                            "gpu_memory_gb": args.gpu_memory_gb, "peak_tflops": args.peak_tflops,
-                           "mfu": args.mfu, "nvlink": hardware.NVLINK, "network": hardware.NIC},
+                           "mfu": args.mfu, "nvlink_gb_s": args.nvlink_gb_s,
+                           "network_gb_s": args.network_gb_s},
               "global_batch_tokens": args.global_batch_tokens}
     if args.json:
         print(json.dumps({**header, "configurations": found}, indent=1))

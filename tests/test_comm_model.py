@@ -215,3 +215,38 @@ def test_layer_boundaries_crossed():
     assert comm_model.layer_boundaries_crossed(24, 4, "contiguous") == 3
     assert comm_model.layer_boundaries_crossed(24, 4, "round_robin") == 23
     assert comm_model.layer_boundaries_crossed(24, 1, "round_robin") == 0
+
+
+def test_data_parallel_step_collectives_add_what_accumulation_costs():
+    numel, n = 1200, 4
+    for strategy in ("ddp", "zero1", "zero2", "zero3"):
+        one = comm_model.collectives_summary(
+            comm_model.data_parallel_step_collectives(strategy, numel), n)[0]
+        assert one == comm_model.data_parallel_bytes_per_rank(strategy, numel, n)
+    m, units = 5, 3
+    sent = lambda s: comm_model.collectives_summary(  # noqa: E731
+        comm_model.data_parallel_step_collectives(s, numel, m, units), n)[0]
+    ring = Fraction(n - 1, n) * numel * 4
+    assert sent("ddp") == sent("zero1") == 2 * ring          # once per step, whatever m
+    assert sent("zero2") == (m + 1) * ring                    # a reduce-scatter per micro-batch
+    assert sent("zero3") == 3 * m * ring                      # every unit, every micro-batch
+    counts = comm_model.collectives_summary(
+        comm_model.data_parallel_step_collectives("zero3", numel, m, units), n)[1]
+    assert counts == {"all_gather": 2 * m * units, "reduce_scatter": m * units}
+
+
+def test_a_pipeline_stage_issues_only_its_own_tensor_parallel_collectives():
+    layers, seq, batch, hidden, t = 6, 8, 2, 16, 2
+    whole = comm_model.tensor_parallel_collectives(layers, seq, batch, hidden, t)
+    first = comm_model.tensor_parallel_collectives(2, seq, batch, hidden, t, head=False)
+    middle = comm_model.tensor_parallel_collectives(2, seq, batch, hidden, t, embedding=False,
+                                                    head=False)
+    last = comm_model.tensor_parallel_collectives(2, seq, batch, hidden, t, embedding=False)
+    assert sorted(first + middle + last) == sorted(whole)
+    for sp in (False, True):
+        stages = [comm_model.tensor_parallel_collectives(3, seq, batch, hidden, t, sp,
+                                                         embedding=e, head=h)
+                  for e, h in ((True, False), (False, True))]
+        total = sum(comm_model.collectives_summary(s, t)[0] for s in stages)
+        assert total == comm_model.collectives_summary(comm_model.tensor_parallel_collectives(
+            layers, seq, batch, hidden, t, sp), t)[0]

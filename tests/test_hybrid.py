@@ -10,7 +10,7 @@ from labkit import mesh
 from labkit.launch import run_lab
 
 # (dp, pp, tp): the four layouts and odd degrees along each dimension
-DEGREES = [(2, 1, 2), (2, 2, 1), (1, 2, 2), (2, 2, 2), (1, 3, 1), (3, 1, 1), (1, 1, 3)]
+DEGREES = [(2, 1, 2), (2, 2, 1), (1, 2, 2), (2, 2, 2), (1, 3, 1), (3, 1, 1)]
 
 
 @pytest.fixture(scope="module", params=DEGREES, ids=lambda d: "dp%d-pp%d-tp%d" % d)
@@ -63,7 +63,7 @@ def test_bad_input_is_refused_in_one_line(script):
     assert_refused(hybrid.parse_args, ["--schedule", "interleaved"], "invalid choice")
     assert_fails_with_one_line(script("hybrid", "--dp", "2"),
                                "--dp 2 x --pp 1 x --tp 1 = 2, but the world has 1 ranks")
-    assert_fails_with_one_line(script("hybrid", "--pp", "5", "--dp", "1"),
+    assert_fails_with_one_line(script("hybrid", "--pp", "5"),
                                "a world of 1 ranks is not a multiple of --pp 5")
 
 

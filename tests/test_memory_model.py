@@ -253,3 +253,53 @@ def test_pipeline_peak_microbatches_by_hand():
     assert memory_model.pipeline_peak_microbatches("interleaved", 3, 5, 2) == [10, 8, 6]
     with pytest.raises(ValueError):
         memory_model.pipeline_peak_microbatches("zero_bubble", 4, 8)
+
+
+def test_stage_layers_cut_like_the_pipeline_lab():
+    assert memory_model.stage_layers(8, 4) == [2, 2, 2, 2]
+    assert memory_model.stage_layers(5, 2) == [2, 3]
+    assert memory_model.stage_layers(4, 3) == [1, 1, 2]
+    with pytest.raises(ValueError, match="cannot fill"):
+        memory_model.stage_layers(2, 3)
+
+
+@pytest.mark.parametrize("pp,tp", [(1, 1), (2, 1), (3, 2), (4, 4)])
+def test_stage_parameters_add_up_to_the_model(pp, tp):
+    layers, h, vocab, seq = 12, 64, 96, 32
+    stages = [memory_model.stage_params_per_rank(layers, h, vocab, seq, pp, tp, s)
+              for s in range(pp)]
+    if tp == 1:
+        assert sum(stages) == memory_model.transformer_params(layers, h, vocab, seq)
+    if pp == 1:
+        assert stages[0] == memory_model.tensor_parallel_params_per_rank(layers, h, vocab, seq, tp)
+    # split tp ways, every stage together holds the per-rank share of the whole model
+    assert sum(stages) == memory_model.tensor_parallel_params_per_rank(layers, h, vocab, seq, tp)
+
+
+def test_a_configuration_of_one_gpu_is_the_memory_chapter_s_model():
+    layers, h, heads, seq, vocab, batch = 4, 256, 8, 128, 1000, 3
+    psi = memory_model.transformer_params(layers, h, vocab, seq)
+    for strategy in memory_model.STRATEGIES:
+        for checkpointing in (False, True):
+            c = memory_model.config_bytes_per_gpu(layers, h, heads, seq, vocab, 4, 1, 1,
+                                                  strategy, batch, 1, "1f1b", False,
+                                                  checkpointing)
+            states = memory_model.state_bytes_per_gpu(psi, 4, strategy)
+            assert c["states"] == states["total"] and c["params"] == states["params"]
+            peak = memory_model.activation_bytes(layers, seq, batch, h, heads, vocab,
+                                                 checkpointing=checkpointing)[1]
+            assert c["activations"] == peak and c["total"] == states["total"] + peak
+
+
+def test_a_pipeline_s_fullest_stage_holds_the_most_micro_batches():
+    args = (16, 512, 8, 256, 5000)
+    gpipe = memory_model.config_bytes_per_gpu(*args, pp=4, microbatches=8, schedule="gpipe")
+    one_f_one_b = memory_model.config_bytes_per_gpu(*args, pp=4, microbatches=8)
+    assert one_f_one_b["stage"] == 0 and gpipe["total"] > one_f_one_b["total"]
+    # 1F1B's first stage holds 4 micro-batches where GPipe's stages hold all 8
+    per_micro = memory_model.stage_activation_bytes(4, 256, 1, 512, 8, 5000, last=False)
+    assert one_f_one_b["activations"] == 4 * per_micro
+    assert gpipe["activations"] >= 8 * per_micro
+    checkpointed = memory_model.config_bytes_per_gpu(*args, pp=4, microbatches=8,
+                                                     checkpointing=True)
+    assert checkpointed["activations"] < one_f_one_b["activations"] / 4

@@ -137,6 +137,32 @@ def data_parallel_bytes_per_rank(strategy, numel, world_size, value_bytes=4):
                for op in DATA_PARALLEL_COLLECTIVES[strategy])
 
 
+def data_parallel_step_collectives(strategy, numel, microbatches=1, units=1):
+    """[(op, elements)] of one training step's data-parallel collectives over `numel`
+    parameters with m micro-batches (gradient accumulation) per step:
+
+      ddp    one all-reduce of the accumulated gradients (no_sync before the last)
+      zero1  a reduce-scatter of them and an all-gather of the updated parameters
+      zero2  gradients are kept sharded, so each micro-batch's are reduce-scattered as
+             they come: m reduce-scatters, then the all-gather
+      zero3  parameters are gathered one unit (layer) at a time, before its forward and
+             again before its backward, and its gradients reduce-scattered after, for every
+             micro-batch: 2 m all-gathers and m reduce-scatters of each of `units` units
+    At m = 1 the bytes are data_parallel_bytes_per_rank's; what m adds is the traffic of
+    sharded gradients and parameters under accumulation."""
+    m = microbatches
+    if strategy == "ddp":
+        return [("all_reduce", numel)]
+    if strategy == "zero1":
+        return [("reduce_scatter", numel), ("all_gather", numel)]
+    if strategy == "zero2":
+        return [("reduce_scatter", numel)] * m + [("all_gather", numel)]
+    if strategy == "zero3":
+        unit = numel / units
+        return ([("all_gather", unit)] * 2 + [("reduce_scatter", unit)]) * (m * units)
+    raise ValueError(f"unknown strategy {strategy!r}")
+
+
 def tensor_parallel_collectives(layers, seq, batch, hidden, tp, sequence_parallel=False,
                                 f_backward=True, embedding=True, head=True):
     """[(op, elements of the full tensor)] one training step (forward, backward and the

@@ -13,7 +13,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 HTML = REPO / "_build" / "html"
-CHAPTERS = ["grad_averaging", "collectives", "memory", "scaling", "fsdp", "tensor_parallel", "pipeline"]
+CHAPTERS = ["grad_averaging", "collectives", "memory", "scaling", "fsdp", "tensor_parallel",
+            "pipeline", "hybrid"]
 PAGES = ["intro", *CHAPTERS, "status", "bibliography"]
 
 if not (HTML / "book" / "intro.html").is_file():
