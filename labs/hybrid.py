@@ -6,31 +6,42 @@ builds the course's transformer from the same seed, splits each layer over its
 tensor-parallel group as Megatron-LM does (labkit/tensor_parallel_layers.py), keeps the
 contiguous layers of its pipeline stage (p of pp), and trains them with the 1F1B (or
 GPipe) schedule from scratch (labkit/pipeline_schedules.py) on its data-parallel share of
-each step's batch, cut into --microbatches micro-batches. After the last micro-batch the
-gradients are averaged over the data-parallel group in one all-reduce, as Megatron-LM's
-DDP does under a pipeline, and SGD with momentum steps.
+each step's batch, cut into --microbatches micro-batches. Over dp (--data-parallel):
+
+  ddp   every rank keeps its stage's slices whole; after the last micro-batch the gradients
+        are averaged over the data-parallel group in one all-reduce, as Megatron-LM's DDP
+        does under a pipeline
+  fsdp  torch's FSDP2 shards them over the data-parallel group (fully_shard on the stage,
+        on the mesh's dp dimension): parameters gathered before each micro-batch's forward
+        and again before its backward, gradients reduce-scattered after it (ZeRO-3; with
+        tp, the FSDP2 x TP layout of torchtitan)
+
+and SGD with momentum steps.
 
 The trained parameters, put back together, are compared with one process that trains
 the whole model on the whole batch. Every collective of the first step is counted by the
 process group it runs on, so the bytes of each dimension are measured apart and set
 beside the cost models: tensor parallelism's all-reduces (comm_model.
 tensor_parallel_collectives, for the layers, embedding and head a stage holds), the
-pipeline's sends (pipeline_p2p_bytes_per_rank) and the gradients' all-reduce
-(data_parallel_bytes_per_rank). The parameters, gradients and momentum each rank holds
-are counted beside memory_model.stage_params_per_rank.
+pipeline's sends (pipeline_p2p_bytes_per_rank) and the data-parallel collectives
+(data_parallel_step_collectives, with FSDP2's padding, memory_model.fsdp2_gathered_numel).
+The parameters, gradients and momentum each rank holds are counted beside
+memory_model.stage_params_per_rank (and, sharded, fsdp2_shard_numel).
 
 Launch lines (from the repository root):
   laptop, gloo on CPU, 8 ranks:  torchrun --standalone --nproc_per_node=8 labs/hybrid.py \\
                                    --dp 2 --pp 2 --tp 2 --out hybrid.json
   an odd degree:                 torchrun --standalone --nproc_per_node=3 labs/hybrid.py \\
                                    --dp 1 --pp 1 --tp 3
+  2-D, FSDP2 x TP:               torchrun --standalone --nproc_per_node=4 labs/hybrid.py \\
+                                   --dp 2 --tp 2 --data-parallel fsdp
   GPU box, NCCL (tp inside the node):  torchrun --standalone --nproc_per_node=8 \\
                                    labs/hybrid.py --dp 2 --pp 2 --tp 2 --out hybrid.json
   two nodes (run on each, HOST = node 0's address; dp spans the nodes):
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
              --rdzv-id=hybrid labs/hybrid.py --dp 4 --pp 2 --tp 2 --out hybrid.json
 
-JSON: `dp`, `pp`, `tp`, `shape`, `batch`, `microbatches`, `schedule`; `mesh` [{rank, dp,
+JSON: `dp`, `pp`, `tp`, `data_parallel`, `shape`, `batch`, `microbatches`, `schedule`; `mesh` [{rank, dp,
 pp, tp}]; `groups` {dp, pp, tp: [[ranks]]}, checked against init_device_mesh's own groups
 (`groups_match_init_device_mesh`); `max_param_diff`; `state_bytes_per_rank` and
 `predicted_state_bytes_per_rank` [{params, grads, optimizer, total}, one per rank];
@@ -43,11 +54,12 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from labkit import comm_model, distenv, memory_model, mesh
 from labkit.collectives import CountCollectives
 from labkit.pipeline_schedules import OpClock, run_schedule, schedule_order, split_pieces
-from labkit.strategies import allreduce_gradients, rank_batch
+from labkit.strategies import allreduce_gradients, apply_fsdp_unit, rank_batch
 from labkit.tensor_parallel_layers import TensorParallelTransformer, VocabParallelCrossEntropy
 from labkit.transformer import (Shape, Transformer, add_shape_args, next_token_loss,
                                 shape_from_args)
@@ -99,13 +111,16 @@ def device_mesh(args, env):
     expected = mesh.groups(args.dp, args.pp, args.tp)
     if any([list(g) for g in theirs[dim]] != expected[dim] for dim in mesh.DIMENSIONS):
         raise RuntimeError(f"init_device_mesh made groups {theirs}, labkit.mesh expects {expected}")
-    return process_groups
+    return {**process_groups, "dp_mesh": device_mesh["dp"]}   # the 1-D mesh FSDP2 shards over
 
 
 def measured_state(piece, optimizer):
-    """{params, grads, optimizer, total} bytes this rank holds, counted tensor by tensor."""
+    """{params, grads, optimizer, total} bytes this rank holds, counted tensor by tensor
+    (of a DTensor, its own shard)."""
     params = list(piece.parameters())
-    nbytes = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
+    nbytes = lambda tensors: sum(local(t).numel() * t.element_size()  # noqa: E731
+                                 for t in tensors)
     state = [v for p in params for v in optimizer.state[p].values() if torch.is_tensor(v)]
     row = {"params": nbytes(params), "grads": nbytes(p.grad for p in params if p.grad is not None),
            "optimizer": nbytes(state)}
@@ -113,18 +128,27 @@ def measured_state(piece, optimizer):
     return row
 
 
-def predictions(shape, args, stage):
+def predictions(shape, args, stage, local_shapes=None, dp_rank=0):
     """(state {params, grads, optimizer, total}, comm {dp, pp, tp}) bytes for a rank of
-    pipeline stage `stage`, from the cost models."""
+    pipeline stage `stage`, from the cost models. Under FSDP2 the exact shards depend on
+    the shapes of the rank's tensor-parallel slices (`local_shapes`) and its dp rank."""
     dp, pp, tp, m = args.dp, args.pp, args.tp, args.microbatches
     micro = args.batch // (dp * m)
     params = memory_model.stage_params_per_rank(shape.layers, shape.hidden, shape.vocab,
                                                 shape.seq, pp, tp, stage)
-    state = memory_model.state_bytes_per_gpu(params, dp, "ddp", "momentum", "fp32")
+    if args.data_parallel == "ddp":
+        state = memory_model.state_bytes_per_gpu(params, dp, "ddp", "momentum", "fp32")
+        dp_plan = comm_model.data_parallel_step_collectives("ddp", params, m)
+    else:   # FSDP2: each tensor's dim 0 split in ceil(d0 / dp) rows, one unit per stage
+        shard = sum(memory_model.fsdp2_shard_numel(s, dp, dp_rank) for s in local_shapes)
+        state = {"params": 4 * shard, "grads": 4 * shard, "optimizer": 4 * shard}
+        state["total"] = sum(state.values())
+        dp_plan = comm_model.data_parallel_step_collectives(
+            "zero3", memory_model.fsdp2_gathered_numel(local_shapes, dp), m)
     tp_plan = comm_model.tensor_parallel_collectives(
         memory_model.stage_layers(shape.layers, pp)[stage], shape.seq, micro, shape.hidden, tp,
         embedding=stage == 0, head=stage == pp - 1)
-    comm = {"dp": comm_model.data_parallel_bytes_per_rank("ddp", params, dp, VALUE_BYTES),
+    comm = {"dp": comm_model.collectives_summary(dp_plan, dp, VALUE_BYTES)[0],
             "pp": comm_model.pipeline_p2p_bytes_per_rank(pp, m, micro * shape.seq * shape.hidden,
                                                          value_bytes=VALUE_BYTES)[stage],
             "tp": m * comm_model.collectives_summary(tp_plan, tp, VALUE_BYTES)[0]}
@@ -141,6 +165,9 @@ def run(args, env):
     torch.manual_seed(args.seed)   # the reference's initial weights, on every rank
     model = TensorParallelTransformer(Transformer(shape).to(env.device), groups["tp"])
     piece = split_pieces(model, args.pp)[stage]
+    local_shapes = [tuple(p.shape) for p in piece.parameters()]
+    if args.data_parallel == "fsdp":
+        apply_fsdp_unit(piece, groups["dp_mesh"])
     optimizer = torch.optim.SGD(piece.parameters(), lr=LEARNING_RATE, momentum=MOMENTUM)
     loss_fn = lambda logits, targets: VocabParallelCrossEntropy.apply(  # noqa: E731
         logits, targets, model.out.rows[0], groups["tp"])
@@ -161,7 +188,8 @@ def run(args, env):
                          next_rank=env.rank + args.tp, activation_shape=(micro, shape.seq,
                                                                          shape.hidden),
                          device=env.device, timeout_s=args.timeout, group=groups["pp"])
-            allreduce_gradients(piece.parameters(), groups["dp"], average=True)
+            if args.data_parallel == "ddp":
+                allreduce_gradients(piece.parameters(), groups["dp"], average=True)
         optimizer.step()
         if step == 0:
             state = measured_state(piece, optimizer)
@@ -170,13 +198,15 @@ def run(args, env):
         raise RuntimeError(f"collectives outside the mesh's groups: {elsewhere.counts}")
 
     expected = reference(shape, args, env.device)
+    if args.data_parallel == "fsdp":
+        piece.unshard()   # the whole tensor-parallel slices, gathered over dp
     full = model.full_parameters()   # every rank of a tp group, the same order
     diff = max((full[name] - expected[name].detach()).abs().max().item()
                for name in full if own_names(name, stage, args.pp, shape.layers))
     worst = torch.tensor([diff], device=env.device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
 
-    predicted_state, predicted_comm = predictions(shape, args, stage)
+    predicted_state, predicted_comm = predictions(shape, args, stage, local_shapes, here["dp"])
     mine = {"coords": here, "state": state, "predicted_state": predicted_state,
             "comm": {dim: counters[dim].sent for dim in mesh.DIMENSIONS},
             "predicted_comm": predicted_comm}
@@ -185,7 +215,8 @@ def run(args, env):
     exact = lambda value: int(value) if value == int(value) else float(value)  # noqa: E731
     per_dim = lambda key: {dim: [exact(r[key][dim]) for r in ranks]  # noqa: E731
                            for dim in mesh.DIMENSIONS}
-    return {"dp": args.dp, "pp": args.pp, "tp": args.tp, "shape": dataclasses.asdict(shape),
+    return {"dp": args.dp, "pp": args.pp, "tp": args.tp, "data_parallel": args.data_parallel,
+            "shape": dataclasses.asdict(shape),
             "batch": args.batch, "microbatches": m, "schedule": args.schedule,
             "mesh": [{"rank": rank, **r["coords"]} for rank, r in enumerate(ranks)],
             "groups": mesh.groups(args.dp, args.pp, args.tp),
@@ -244,6 +275,9 @@ def parse_args(argv=None):
                         help="tensor-parallel degree")
     parser.add_argument("--microbatches", type=distenv.positive_int, default=MICROBATCHES,
                         help="micro-batches per step on each data-parallel rank")
+    parser.add_argument("--data-parallel", choices=("ddp", "fsdp"), default="ddp",
+                        help="over dp: whole replicas and one all-reduce per step, or "
+                             "FSDP2's shards (ZeRO-3)")
     parser.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
     parser.add_argument("--batch", type=distenv.positive_int, default=BATCH,
                         help="sequences per step, over all data-parallel ranks")

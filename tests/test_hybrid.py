@@ -9,14 +9,17 @@ from conftest import assert_fails_with_one_line, assert_refused
 from labkit import mesh
 from labkit.launch import run_lab
 
-# (dp, pp, tp): the issue's four layouts and odd degrees along each dimension
-DEGREES = [(2, 1, 2), (2, 2, 1), (1, 2, 2), (2, 2, 2), (1, 3, 1), (3, 1, 1)]
+# (dp, pp, tp, data parallelism): four layouts, an odd pipeline, and FSDP2 over an odd dp
+# (its padding) and beside tensor parallelism (torchtitan's 2-D layout)
+RUNS = [(2, 1, 2, "ddp"), (2, 2, 1, "ddp"), (1, 2, 2, "ddp"), (2, 2, 2, "ddp"),
+        (1, 3, 1, "ddp"), (3, 1, 1, "fsdp"), (2, 1, 2, "fsdp")]
 
 
-@pytest.fixture(scope="module", params=DEGREES, ids=lambda d: "dp%d-pp%d-tp%d" % d)
+@pytest.fixture(scope="module", params=RUNS, ids=lambda r: "dp%d-pp%d-tp%d-%s" % r)
 def result(request):
-    dp, pp, tp = request.param
-    return run_lab("hybrid", dp * pp * tp, ["--dp", dp, "--pp", pp, "--tp", tp], echo=False)
+    dp, pp, tp, data_parallel = request.param
+    return run_lab("hybrid", dp * pp * tp, ["--dp", dp, "--pp", pp, "--tp", tp,
+                                            "--data-parallel", data_parallel], echo=False)
 
 
 def test_the_trained_model_is_the_single_process_one(result):
@@ -40,22 +43,37 @@ def test_counted_bytes_and_state_equal_the_cost_models_exactly(result):
     assert result["comm_bytes_per_rank"] == result["predicted_comm_bytes_per_rank"]
     assert result["state_bytes_per_rank"] == result["predicted_state_bytes_per_rank"]
     dp, pp, tp = result["dp"], result["pp"], result["tp"]
+    if result["data_parallel"] == "fsdp" and dp > 1:
+        # ZeRO-3: 3 m gathers and reduce-scatters; DDP's one all-reduce would be 2
+        assert result["comm_bytes_per_rank"]["dp"][0] > 2 * result["state_bytes_per_rank"][0][
+            "params"] * (dp - 1) * result["microbatches"]
     # a dimension of one sends nothing, and every dimension of more than one sends something
     for dim, size in (("dp", dp), ("pp", pp), ("tp", tp)):
         sent = result["comm_bytes_per_rank"][dim]
         assert all(b == 0 for b in sent) if size == 1 else all(b > 0 for b in sent), dim
 
 
-def test_tp_divides_the_state_and_dp_does_not(result):
-    """Under DDP over dp every data-parallel replica holds the same bytes; tensor
-    parallelism splits them (within the replicated LayerNorms and biases)."""
+def test_tp_and_fsdp_divide_the_state_and_ddp_does_not(result):
+    """Under DDP every data-parallel replica holds the same bytes, a whole tensor-parallel
+    slice of its stage; FSDP2's shards of it add up to that slice exactly, however unequal
+    its padding makes them. Tensor parallelism divides the state by t, but for the
+    replicated LayerNorms and biases."""
     per_rank = [s["total"] for s in result["state_bytes_per_rank"]]
+    dp, pp, tp = result["dp"], result["pp"], result["tp"]
+    replica = hybrid.parse_args(["--dp", dp, "--pp", pp, "--tp", tp])   # whole replicas
     for group in result["groups"]["dp"]:
-        assert len({per_rank[r] for r in group}) == 1
-    if result["tp"] > 1 and result["pp"] == 1:
-        whole = 3 * 4 * hybrid.memory_model.transformer_params(
+        stage = result["mesh"][group[0]]["pp"]
+        whole = hybrid.predictions(hybrid.SHAPE, replica, stage)[0]["total"]
+        if result["data_parallel"] == "ddp":
+            assert all(per_rank[r] == whole for r in group)
+        else:
+            assert sum(per_rank[r] for r in group) == whole
+            assert all(per_rank[r] < whole for r in group) or dp == 1
+    if pp == 1 and tp > 1:
+        model = 3 * 4 * hybrid.memory_model.transformer_params(
             *(result["shape"][k] for k in ("layers", "hidden", "vocab", "seq")))
-        assert whole / result["tp"] < per_rank[0] < whole / result["tp"] * 1.2
+        slice_ = hybrid.predictions(hybrid.SHAPE, replica, 0)[0]["total"]
+        assert model / tp < slice_ < model / tp * 1.2
 
 
 def test_bad_input_is_refused_in_one_line(script):

@@ -253,6 +253,17 @@ def fsdp2_shard_numel(shape, world_size, rank):
     return (min(start + per_rank, rows) - start) * row_numel
 
 
+def fsdp2_gathered_numel(shapes, world_size):
+    """Elements one FSDP2 all-gather (or reduce-scatter) of a unit moves in full: each
+    parameter's dim 0 padded to a multiple of N (fsdp2_shard_numel's ceil(d0 / N) rows on
+    every rank), summed over the unit's parameters."""
+    total = 0
+    for shape in shapes:
+        rows = shape[0] if shape else 1
+        total += math.ceil(rows / world_size) * world_size * math.prod(shape[1:])
+    return total
+
+
 def zero1_partition(numels, world_size):
     """Which rank owns each tensor under torch's ZeroRedundancyOptimizer.
 

@@ -3,6 +3,7 @@ pattern of torchtitan's parallelize_* functions).
 
   apply_ddp       DistributedDataParallel, on the rank's own GPU when there is one
   apply_fsdp      FSDP2: fully_shard on every unit (embedding, each block, head), then the root
+  apply_fsdp_unit FSDP2 on one module as one unit, over a given mesh (a pipeline stage)
   apply_tp        torch's tensor parallelism (DTensor) on every block, with or without
                   sequence parallelism; qkv_rows_of_rank says which rows hold a rank's heads
   apply_pp        torch's pipeline schedules (torch.distributed.pipelining) over the pieces
@@ -50,6 +51,15 @@ def apply_fsdp(model, reshard_after_forward=True, **options):
         fully_shard(unit, reshard_after_forward=reshard_after_forward, **options)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **options)
     return model
+
+
+def apply_fsdp_unit(module, mesh=None, reshard_after_forward=True):
+    """FSDP2 on `module` as one unit, over `mesh` (a 1-D DeviceMesh: the data-parallel
+    dimension of a larger mesh; None is the whole world): one all-gather of all its
+    parameters before its forward and its backward, one reduce-scatter after. A pipeline
+    stage, whose layers run together, is such a unit. Build the optimizer after this."""
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return module
 
 
 def qkv_rows_of_rank(hidden, heads, rank, tp):
