@@ -54,7 +54,6 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from labkit import comm_model, distenv, memory_model, mesh
 from labkit.collectives import CountCollectives
@@ -118,8 +117,7 @@ def measured_state(piece, optimizer):
     """{params, grads, optimizer, total} bytes this rank holds, counted tensor by tensor
     (of a DTensor, its own shard)."""
     params = list(piece.parameters())
-    local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
-    nbytes = lambda tensors: sum(local(t).numel() * t.element_size()  # noqa: E731
+    nbytes = lambda tensors: sum(distenv.local_tensor(t).numel() * t.element_size()  # noqa: E731
                                  for t in tensors)
     state = [v for p in params for v in optimizer.state[p].values() if torch.is_tensor(v)]
     row = {"params": nbytes(params), "grads": nbytes(p.grad for p in params if p.grad is not None),

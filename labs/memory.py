@@ -54,7 +54,6 @@ import gc
 import json
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from labkit import distenv, memory_model
 from labkit.activations import count_activation_bytes
@@ -82,7 +81,7 @@ def local_bytes(tensors):
     """Bytes of the part of each tensor this rank holds: a DTensor's own shard."""
     total = 0
     for t in tensors:
-        local = t.to_local() if isinstance(t, DTensor) else t
+        local = distenv.local_tensor(t)
         total += local.numel() * local.element_size()
     return total
 

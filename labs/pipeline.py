@@ -41,7 +41,7 @@ predicted_p2p_bytes_per_rank (one per rank), ops_over_compute_ms}} for the first
 --microbatches value, and `timeline` {name: [{stage, op, microbatch, chunk, start_s,
 end_s}]} of its last step, gathered from every rank; `sweep` [{microbatches, batch,
 schedules, skipped}] for every value, `skipped` saying why a torch schedule did not run
-(its 1F1B schedules need m >= p). P2P bytes are counted over the second step (torch's
+(its 1F1B schedule needs m >= p; its interleaved one an m that its m // p rounds divide). P2P bytes are counted over the second step (torch's
 schedules exchange a few bytes of set-up in their first), the timeline is the last step's.
 """
 
@@ -230,8 +230,11 @@ def run(args, env):
 
 def torch_refuses(name, m, p):
     """Why torch's schedule `name` will not run m micro-batches on p stages, or None."""
-    if name in ("torch_1f1b", "torch_interleaved") and m < p:
-        return f"torch's {name[6:]} schedule needs at least as many micro-batches as stages"
+    if name == "torch_1f1b" and m < p:
+        return "torch's 1f1b schedule needs at least as many micro-batches as stages"
+    if name == "torch_interleaved" and m % max(1, m // p):
+        return (f"torch's interleaved schedule runs m // p = {m // p} rounds, which must "
+                f"divide m")
     return None
 
 

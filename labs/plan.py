@@ -1,6 +1,6 @@
-"""Choose a parallel configuration: every dp x pp x tp layout of N GPUs, with a ZeRO stage,
-a micro-batch size and activation checkpointing, kept if it fits in GPU memory and ranked
-by predicted step time.
+"""Choose a parallel configuration: every dp x pp x tp layout of N GPUs (tp dividing the
+node), with a ZeRO stage, a micro-batch size and activation checkpointing, kept if it fits
+in GPU memory and ranked by predicted step time.
 
 Memory per GPU comes from memory_model.config_bytes_per_gpu, the memory calculator's own
 function (labs/memory.py predict --tp --pp ...): mixed-precision Adam states sharded over
@@ -76,7 +76,9 @@ def links(dp, pp, tp, args):
     innermost: a group inside one node uses NVLink, one that spans nodes the network."""
     nvlink = (hardware.NVLINK[0], args.nvlink_gb_s * 1e9)
     network = (hardware.NIC[0], args.network_gb_s * 1e9)
-    inside = lambda span: span <= args.gpus_per_node  # noqa: E731
+    # a group of `span` consecutive ranks starting at a multiple of span stays in a node
+    # when it divides the node
+    inside = lambda span: args.gpus_per_node % span == 0  # noqa: E731
     return {"tp": nvlink if inside(tp) else network,
             "pp": nvlink if inside(tp * pp) else network,
             "dp": nvlink if inside(tp * pp * dp) else network}
@@ -131,7 +133,7 @@ def configurations(shape, args):
     limit = args.gpu_memory_gb * 1e9
     found = []
     for tp in divisors(args.gpus):
-        if tp > args.gpus_per_node or shape.heads % tp or shape.vocab % tp:
+        if args.gpus_per_node % tp or shape.heads % tp or shape.vocab % tp:
             continue
         for pp in divisors(args.gpus // tp):
             if pp > shape.layers:

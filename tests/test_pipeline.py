@@ -68,9 +68,12 @@ def test_torch_schedules_run_where_torch_allows_them(result):
     p = result["pp"]
     for entry in result["sweep"]:
         m, ran, skipped = entry["microbatches"], entry["schedules"], entry["skipped"]
-        needs_m_ge_p = {"torch_1f1b"} | ({"torch_interleaved"} if p > 1 else set())
-        assert set(skipped) == (needs_m_ge_p if m < p else set()), (p, m)
-        assert set(ran) | set(skipped) >= needs_m_ge_p
+        # 1F1B refuses m < p; the interleaved schedule runs m // p rounds (at least one),
+        # which must divide m
+        refused = ({"torch_1f1b"} if m < p else set()) | (
+            {"torch_interleaved"} if p > 1 and m % max(1, m // p) else set())
+        assert set(skipped) == refused, (p, m)
+        assert "torch_gpipe" in ran and (p == 1 or "torch_interleaved" in set(ran) | refused)
 
 
 def test_in_flight_and_bytes_equal_the_prediction_exactly(result):
@@ -120,15 +123,12 @@ def test_schedule_orders_run_every_op_once_forward_first():
 
 
 def test_a_wrong_send_receive_order_times_out_and_says_so():
+    """The deadlock ends at --timeout with each stage's own line (what the chapter prints
+    through lab_failure), nothing of torchrun's report, and never hangs."""
     started = time.monotonic()
-    with pytest.raises(LabError) as error:
-        run_lab("pipeline", 2, ["--schedule", "recv_before_send", "--microbatches", "2",
-                                "--timeout", "3"], echo=False)
-    assert "deadlocked" in str(error.value)
-    assert time.monotonic() - started < 60
-    # what the chapter prints: each stage's own line, nothing of torchrun's report
     said = lab_failure("pipeline", 2, ["--schedule", "recv_before_send", "--microbatches", "2",
                                        "--timeout", "2"]).splitlines()
+    assert time.monotonic() - started < 60
     assert sorted(line.split(" waited")[0] for line in said) == [
         "pipeline: error: stage 0", "pipeline: error: stage 1"]
     assert all(line.endswith("the schedule is deadlocked") for line in said)

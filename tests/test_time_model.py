@@ -140,3 +140,7 @@ def test_pipeline_bubble_by_hand():
     assert time_model.pipeline_bubble_fraction(4, 8) == 3 / 11
     # interleaving v = 2 halves the fill and drain: 3 / (16 + 3)
     assert time_model.pipeline_bubble_fraction(4, 8, chunks=2) == 3 / 19
+    # fewer micro-batches than stages: one micro-batch's 8 chunks go round the ring twice
+    assert time_model.pipeline_bubble_fraction(4, 1, chunks=2) == 6 / 8
+    assert time_model.pipeline_bubble_fraction(4, 2, chunks=2) == 5 / 9
+    assert time_model.pipeline_bubble_fraction(4, 4, chunks=2) == 3 / 11   # both counts agree

@@ -7,11 +7,12 @@ it), and parameters and buffers are not activations. A DTensor counts its local 
 """
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from .distenv import local_tensor
 
 
 def _storage(tensor):
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    local = local_tensor(tensor)
     return local.untyped_storage()
 
 

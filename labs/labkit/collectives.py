@@ -12,8 +12,9 @@ collectives), so one mode counts them all, forward and backward alike.
 
 import torch
 from torch.distributed import ProcessGroup
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from .distenv import dtensor_class
 
 # op name (as the dispatcher names it, without namespace and overload) ->
 # (collective, how to get the full tensor's bytes from the op's arguments)
@@ -56,7 +57,8 @@ class CountCollectives(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if isinstance(func, torch._ops.HigherOrderOperator):
             return func(*args, **(kwargs or {}))
-        if any(issubclass(t, DTensor) for t in types):
+        dtensor = dtensor_class()
+        if dtensor is not None and any(issubclass(t, dtensor) for t in types):
             # Let DTensor run first, with this mode still active: the collectives it turns
             # the op into (a partial gradient reduced in the optimizer's step, say) come
             # back through here. (torch's CommDebugMode does the same.)

@@ -247,6 +247,19 @@ class DistEnv:
         return result
 
 
+def dtensor_class():
+    """torch's DTensor class if anything has loaded it, else None: no DTensor can exist
+    before its module is imported, and importing it costs a process about a second."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else module.DTensor
+
+
+def local_tensor(tensor):
+    """The part of `tensor` this rank holds: a DTensor's own shard, any other tensor whole."""
+    dtensor = dtensor_class()
+    return tensor.to_local() if dtensor is not None and isinstance(tensor, dtensor) else tensor
+
+
 def max_param_diff(params, reference, device):
     """Largest |difference| between two lists of tensors, over all of them and all ranks
     (a collective: every rank calls it)."""

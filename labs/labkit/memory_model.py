@@ -318,7 +318,8 @@ def pipeline_peak_microbatches(schedule, stages, microbatches, chunks=1):
                    stage's layers): the warm-up of Megatron-LM's schedule, which torch's
                    ScheduleInterleaved1F1B follows, is (v-1)r + 2(p-1-s) forwards, with r
                    micro-batches per round (p when p divides m; torch takes m // (m // p)
-                   otherwise), and the steady state adds one: at most m v
+                   otherwise, and refuses an m that this round size does not divide), and
+                   the steady state adds one: at most m v
     """
     p, m, v = stages, microbatches, chunks
     if schedule == "gpipe":

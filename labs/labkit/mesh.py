@@ -2,10 +2,11 @@
 ranks share a process group along each dimension.
 
 Ranks are laid out with tp innermost, then pp, then dp outermost (the order of
-init_device_mesh((dp, pp, tp)) and of Megatron-LM): the t ranks of a tensor-parallel
-group are consecutive, so on nodes of G >= t GPUs with t dividing G they share a node and
-its NVLink, the dimension that communicates most. The data-parallel groups, which
-communicate least often, span the nodes.
+init_device_mesh((dp, pp, tp)), and of Llama 3's training; Megatron-LM's default and
+torchtitan put pp outermost and dp inside it): the t ranks of a tensor-parallel group are
+consecutive, so on nodes of G GPUs with t dividing G they share a node and its NVLink,
+the dimension that communicates most. The data-parallel groups, which communicate least
+often, span the nodes.
 
     rank = (d * pp + p) * tp + t
 """

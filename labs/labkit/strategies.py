@@ -23,7 +23,6 @@ pattern of torchtitan's parallelize_* functions).
 import dataclasses
 
 import torch
-from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import distenv
@@ -47,6 +46,7 @@ def apply_fsdp(model, reshard_after_forward=True, **options):
     of its own. reshard_after_forward=True frees a unit's gathered parameters after its
     forward (ZeRO-3); False keeps them until its backward (ZeRO-2's memory). Returns the
     model, whose parameters are now DTensor shards: build the optimizer after this."""
+    from torch.distributed.fsdp import fully_shard   # here: importing it costs ~1 s a process
     for unit in model.units():
         fully_shard(unit, reshard_after_forward=reshard_after_forward, **options)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **options)
@@ -58,6 +58,7 @@ def apply_fsdp_unit(module, mesh=None, reshard_after_forward=True):
     dimension of a larger mesh; None is the whole world): one all-gather of all its
     parameters before its forward and its backward, one reduce-scatter after. A pipeline
     stage, whose layers run together, is such a unit. Build the optimizer after this."""
+    from torch.distributed.fsdp import fully_shard
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
     return module
 

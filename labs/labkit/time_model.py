@@ -168,6 +168,10 @@ def pipeline_bubble_fraction(stages, microbatches, chunks=1):
     forward starts m-1 forwards after its first and the last stage's first backward can only
     start p-1 forwards after it; the drain mirrors the fill, so each stage waits p-1 forward
     + backward slots in a step of m + p - 1 of them. The interleaved schedule gives each
-    rank v chunks of 1/v of its layers, so the fill and drain slots shrink by v."""
+    rank v chunks of 1/v of its layers, so the fill and drain slots shrink by v: a step of
+    v m + p - 1 chunk slots, v m of them busy. That needs m >= p. With fewer micro-batches
+    than stages (torch's interleaved schedule allows it) a micro-batch's v p chunks, one
+    after the other, set the step instead: v p + m - 1 chunk slots."""
     p, m, v = stages, microbatches, chunks
-    return (p - 1) / (v * m + p - 1)
+    slots = max(v * m + p - 1, v * p + m - 1)
+    return (slots - v * m) / slots
