@@ -52,7 +52,7 @@ book: venv
 
 # The labs and cost models; tests/book checks the built pages, after the book (htmlcheck).
 pytest: venv
-	$(BIN)/python -m pytest tests --ignore=tests/book
+	$(BIN)/python -m pytest tests --ignore=tests/book --durations=15
 
 htmlcheck: venv
 	$(BIN)/python -m pytest tests/book
