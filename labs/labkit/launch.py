@@ -16,10 +16,12 @@ import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
+import uuid
 from pathlib import Path
 
 LABS_DIR = Path(__file__).resolve().parent.parent   # labs/, where the lab scripts are
@@ -41,12 +43,16 @@ class LabError(RuntimeError):
         self.output = output
 
 
-def reader_command(lab, nproc, args=(), width=88):
+def reader_command(lab, nproc, args=(), width=88, nnodes=1):
     """The command a reader would type for the same run, from the repository root; past
     `width` characters it continues on the next line (a backslash), so a page shows it
-    whole."""
+    whole. With nnodes > 1, the command each node runs (HOST: the rendezvous's)."""
     if nproc is None:
         words = ["python", f"labs/{lab}.py", *map(str, args)]
+    elif nnodes > 1:
+        words = ["torchrun", f"--nnodes={nnodes}", f"--nproc_per_node={nproc}",
+                 "--rdzv-backend=c10d", "--rdzv-endpoint=HOST:PORT", f"--rdzv-id={lab}",
+                 f"labs/{lab}.py", *map(str, args)]
     else:
         words = ["torchrun", "--standalone", f"--nproc_per_node={nproc}", f"labs/{lab}.py",
                  *map(str, args)]
@@ -61,11 +67,14 @@ def reader_command(lab, nproc, args=(), width=88):
     return " \\\n    ".join(lines)
 
 
-def run_lab(lab, nproc=1, args=(), *, timeout=LAUNCH_TIMEOUT_S, echo=True):
+def run_lab(lab, nproc=1, args=(), *, nnodes=1, timeout=LAUNCH_TIMEOUT_S, echo=True):
     """Launch `labs/<lab>.py` on `nproc` local processes; return its parsed JSON result.
 
     nproc=None runs `python labs/<lab>.py` as one process without torchrun, for what a
     lab does in one process alone (the memory lab's --simulate-world-size).
+    nnodes=K starts K torchrun agents on this machine, each with nproc ranks, that meet
+    through a c10d rendezvous on 127.0.0.1 and a free port: K "nodes" as torchrun sees
+    them, a world of K x nproc.
     echo=True prints the reader's command and the lab's output as it comes; "command"
     the command alone; False nothing (the output still goes into a failure's message).
     """
@@ -74,19 +83,19 @@ def run_lab(lab, nproc=1, args=(), *, timeout=LAUNCH_TIMEOUT_S, echo=True):
         raise FileNotFoundError(f"no lab named {lab!r}: {script} does not exist")
     args = [str(a) for a in args]
     if echo:
-        print("$ " + reader_command(lab, nproc, args), flush=True)
+        print(("# on each node:\n" if nnodes > 1 else "") + "$ "
+              + reader_command(lab, nproc, args, nnodes=nnodes), flush=True)
     echo = echo is True   # from here on: whether to stream the lab's output
 
     with tempfile.TemporaryDirectory(prefix=f"{lab}-") as tmp:
         out = Path(tmp) / f"{lab}.json"
-        launcher = [] if nproc is None else ["-m", "torch.distributed.run", "--standalone",
-                                             f"--nproc_per_node={nproc}"]
-        command = [sys.executable, *launcher, str(script), *args, "--out", str(out)]
+        commands = [[sys.executable, *launcher, str(script), *args, "--out", str(out)]
+                    for launcher in _launchers(lab, nproc, nnodes)]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         # Without it torchrun prints a banner and sets 1 itself; with N ranks on few
         # cores, one thread per rank is also what keeps them from fighting.
         env.setdefault("OMP_NUM_THREADS", "1")
-        returncode, lines = _run_streaming(command, env, timeout, echo)
+        returncode, lines = _run_streaming(commands, env, timeout, echo)
         if returncode != 0:
             raise LabError(_failure_message(lab, nproc, returncode, lines),
                            returncode, "".join(lines))
@@ -95,27 +104,55 @@ def run_lab(lab, nproc=1, args=(), *, timeout=LAUNCH_TIMEOUT_S, echo=True):
         return json.loads(out.read_text())
 
 
-def _run_streaming(command, env, timeout, echo):
-    """Run `command`, echoing its merged stdout/stderr line by line; kill it on timeout.
-    Returns (exit status, output lines)."""
-    lines = []
-    # A new session, so that a timeout can kill torchrun and every rank it started.
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env, cwd=REPO_DIR, start_new_session=True)
-    timer = _Killer(proc, timeout)
-    try:
+def _launchers(lab, nproc, nnodes):
+    """The interpreter arguments before the script, one list per agent (node)."""
+    if nproc is None:
+        return [[]]
+    if nnodes == 1:
+        return [["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]]
+    with socket.socket() as probe:   # a port free now, for the rendezvous's store
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    agent = ["-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc_per_node={nproc}",
+             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+             f"--rdzv-id={lab}-{uuid.uuid4().hex[:8]}"]
+    return [agent] * nnodes
+
+
+def _run_streaming(commands, env, timeout, echo):
+    """Run `commands` at once (torchrun agents, or one process), echoing their merged
+    stdout/stderr line by line; kill them all on timeout. Returns (the first non-zero exit
+    status or 0, output lines)."""
+    lines, lock = [], threading.Lock()
+    # New sessions, so that a timeout can kill torchrun and every rank it started.
+    procs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env=env, cwd=REPO_DIR, start_new_session=True)
+             for command in commands]
+    timers = [_Killer(proc, timeout) for proc in procs]
+
+    def read(proc):
         for line in proc.stdout:
-            lines.append(line)
-            if echo:
-                print(line, end="", flush=True)
-        proc.wait()
+            with lock:
+                lines.append(line)
+                if echo:
+                    print(line, end="", flush=True)
+
+    readers = [threading.Thread(target=read, args=(proc,), daemon=True) for proc in procs]
+    try:
+        for reader in readers:
+            reader.start()
+        for proc, reader in zip(procs, readers):
+            reader.join()
+            proc.wait()
     finally:
-        timer.cancel()
-        if proc.poll() is None:
-            _kill_group(proc)
-    if timer.fired:
+        for timer, proc in zip(timers, procs):
+            timer.cancel()
+            if proc.poll() is None:
+                _kill_group(proc)
+    if any(timer.fired for timer in timers):
         lines.append(f"[launcher] killed after {timeout} s without finishing\n")
-    return proc.returncode, lines
+    returncode = next((proc.returncode for proc in procs if proc.returncode), 0)
+    return returncode, lines
 
 
 class _Killer:
