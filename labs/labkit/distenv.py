@@ -313,6 +313,14 @@ def initialize(args, simulate_world_size=None):
         if simulate_world_size is not None:
             _init_fake_group(simulate_world_size, timeout)
             backend, world_size = "fake", simulate_world_size
+        elif under_launcher and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+            # A group that torchrun started again finds the keys of the attempt before in
+            # the agent's store (the peers' old addresses, which gloo would try to reach):
+            # each attempt keeps its keys under its own prefix.
+            store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+            store = dist.PrefixStore(f"attempt-{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                    timeout=timeout)
         elif under_launcher:
             # torchrun has set MASTER_ADDR/MASTER_PORT (or its own store): use them.
             dist.init_process_group(backend, timeout=timeout)

@@ -43,7 +43,7 @@ class LabError(RuntimeError):
         self.output = output
 
 
-def reader_command(lab, nproc, args=(), width=88, nnodes=1):
+def reader_command(lab, nproc, args=(), width=88, nnodes=1, max_restarts=0):
     """The command a reader would type for the same run, from the repository root; past
     `width` characters it continues on the next line (a backslash), so a page shows it
     whole. With nnodes > 1, the command each node runs (HOST: the rendezvous's)."""
@@ -54,8 +54,9 @@ def reader_command(lab, nproc, args=(), width=88, nnodes=1):
                  "--rdzv-backend=c10d", "--rdzv-endpoint=HOST:PORT", f"--rdzv-id={lab}",
                  f"labs/{lab}.py", *map(str, args)]
     else:
-        words = ["torchrun", "--standalone", f"--nproc_per_node={nproc}", f"labs/{lab}.py",
-                 *map(str, args)]
+        words = ["torchrun", "--standalone", f"--nproc_per_node={nproc}",
+                 *([f"--max-restarts={max_restarts}"] if max_restarts else []),
+                 f"labs/{lab}.py", *map(str, args)]
     lines, line = [], []
     for word in map(shlex.quote, words):
         # an option and its value stay together: break before an option only
@@ -67,14 +68,16 @@ def reader_command(lab, nproc, args=(), width=88, nnodes=1):
     return " \\\n    ".join(lines)
 
 
-def run_lab(lab, nproc=1, args=(), *, nnodes=1, timeout=LAUNCH_TIMEOUT_S, echo=True):
+def run_lab(lab, nproc=1, args=(), *, nnodes=1, max_restarts=0, timeout=LAUNCH_TIMEOUT_S,
+            echo=True):
     """Launch `labs/<lab>.py` on `nproc` local processes; return its parsed JSON result.
 
     nproc=None runs `python labs/<lab>.py` as one process without torchrun, for what a
     lab does in one process alone (the memory lab's --simulate-world-size).
     nnodes=K starts K torchrun agents on this machine, each with nproc ranks, that meet
     through a c10d rendezvous on 127.0.0.1 and a free port: K "nodes" as torchrun sees
-    them, a world of K x nproc.
+    them, a world of K x nproc. max_restarts=R lets torchrun start the group again, up to
+    R times, when a rank dies.
     echo=True prints the reader's command and the lab's output as it comes; "command"
     the command alone; False nothing (the output still goes into a failure's message).
     """
@@ -84,12 +87,14 @@ def run_lab(lab, nproc=1, args=(), *, nnodes=1, timeout=LAUNCH_TIMEOUT_S, echo=T
     args = [str(a) for a in args]
     if echo:
         print(("# on each node:\n" if nnodes > 1 else "") + "$ "
-              + reader_command(lab, nproc, args, nnodes=nnodes), flush=True)
+              + reader_command(lab, nproc, args, nnodes=nnodes, max_restarts=max_restarts),
+              flush=True)
     echo = echo is True   # from here on: whether to stream the lab's output
 
     with tempfile.TemporaryDirectory(prefix=f"{lab}-") as tmp:
         out = Path(tmp) / f"{lab}.json"
-        commands = [[sys.executable, *launcher, str(script), *args, "--out", str(out)]
+        restarts = [f"--max-restarts={max_restarts}"] if max_restarts else []
+        commands = [[sys.executable, *launcher, *restarts, str(script), *args, "--out", str(out)]
                     for launcher in _launchers(lab, nproc, nnodes)]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         # Without it torchrun prints a banner and sets 1 itself; with N ranks on few

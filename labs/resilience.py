@@ -1,0 +1,187 @@
+"""Surviving a crash: checkpoint every K steps, lose a rank, restart, resume bit-identically.
+
+The lab trains the course's transformer with DDP and SGD with momentum, and saves a
+checkpoint with torch.distributed.checkpoint (DCP) after every --every steps: the model,
+the optimizer's state and the step, each rank's random-number generator beside them, and
+last a `latest` marker, so that a crash during a save leaves the previous checkpoint in
+force. Each step's batch is drawn from the global generator, so that a resumed run sees the
+same data only if that generator's state was saved too.
+
+With --fail-at-step S --fail-rank R, rank R exits at once (os._exit, as a crash would: no
+clean-up, no message to its peers) when it reaches step S on the first attempt. Run under
+`torchrun --max-restarts=1`, the agent sees the dead worker, stops the others, and starts
+the whole group again; the new attempt (TORCHELASTIC_RESTART_COUNT = 1) finds the
+checkpoint, loads it, and trains the steps that are left. At the end the same processes
+train the same model again from the start without failing or saving, and the two results
+must be equal bit for bit.
+
+Launch lines (from the repository root):
+  laptop, gloo on CPU:  torchrun --standalone --nproc_per_node=2 --max-restarts=1 \\
+                          labs/resilience.py --dir ckpt --fail-at-step 7 --fail-rank 1
+  GPU box, NCCL:        the same with --nproc_per_node=8
+  two nodes (run on each, HOST = node 0's address; --dir on a shared file system):
+    torchrun --nnodes=2 --nproc_per_node=8 --max-restarts=1 --rdzv-backend=c10d \\
+             --rdzv-endpoint=HOST:29500 --rdzv-id=resilience labs/resilience.py \\
+             --dir /shared/ckpt --fail-at-step 7 --fail-rank 9
+
+JSON: `restart_count`, `resumed_from_step` (0 when nothing was loaded), `lost_steps` (the
+steps trained after the last checkpoint and trained again), `max_param_diff_vs_uninterrupted`,
+`checkpoint_save_s` {blocking: one dcp.save of the trained state, async: {staging, total}
+of one dcp.async_save, or null and `async_save_error` says why}, `checkpoints` (the
+steps this attempt saved), `steps`, `every`.
+"""
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from labkit import distenv
+from labkit.strategies import TorchDDP
+from labkit.transformer import Shape, Transformer, add_shape_args, shape_from_args
+
+SHAPE = Shape(layers=2, hidden=32, heads=4, seq=16, vocab=64)
+BATCH = 4            # sequences per rank per step
+STEPS, EVERY = 8, 3  # checkpoints after steps 3 and 6
+LEARNING_RATE, MOMENTUM = 0.1, 0.9
+LATEST = "latest"    # the marker naming the last complete checkpoint
+
+
+def make(shape, args, env):
+    """The model and optimizer, from the seed; the global generator seeded per rank."""
+    torch.manual_seed(args.seed)
+    model = TorchDDP(Transformer(shape).to(env.device), env.device,
+                     lambda params: torch.optim.SGD(params, lr=LEARNING_RATE, momentum=MOMENTUM))
+    torch.manual_seed(distenv.derived_seed(args.seed, "batches", env.rank))
+    return model
+
+
+def next_batch(shape, env):
+    """This rank's next batch, drawn from the global generator: its state decides the data."""
+    ids = torch.randint(shape.vocab, (BATCH, shape.seq + 1)).to(env.device)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def save(model, step, directory, env):
+    """A checkpoint of step `step`: DCP's shards, each rank's generator, then the marker."""
+    path = directory / f"step-{step:06d}"
+    model_state, optim_state = get_state_dict(model.model, model.optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path))
+    torch.save(torch.get_rng_state(), path / f"rng-{env.rank}.pt")
+    dist.barrier()   # every rank's part is on disk before the marker says so
+    if env.is_rank0:
+        marker = directory / f".{LATEST}.tmp"
+        marker.write_text(json.dumps({"step": step, "path": path.name}))
+        os.replace(marker, directory / LATEST)
+    dist.barrier()
+
+
+def load(model, directory, env):
+    """Load the last complete checkpoint into `model`; its step, or 0 if there is none."""
+    marker = directory / LATEST
+    if not marker.is_file():
+        return 0
+    saved = json.loads(marker.read_text())
+    path = directory / saved["path"]
+    model_state, optim_state = get_state_dict(model.model, model.optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model.model, model.optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    torch.set_rng_state(torch.load(path / f"rng-{env.rank}.pt"))
+    return saved["step"]
+
+
+def save_seconds(model, directory):
+    """Seconds of one blocking dcp.save of the trained state, and {staging, total} of one
+    dcp.async_save: that call returns once the state is copied aside, and training could
+    go on while it is written (or an error, if it does not run here)."""
+    model_state, optim_state = get_state_dict(model.model, model.optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    started = time.perf_counter()
+    dcp.save(state, checkpoint_id=str(directory / "timed-blocking"))
+    dist.barrier()
+    blocking = time.perf_counter() - started
+    try:
+        started = time.perf_counter()
+        future = dcp.async_save(state, checkpoint_id=str(directory / "timed-async"))
+        staged = time.perf_counter() - started
+        future.result()
+        dist.barrier()
+        return blocking, {"staging": staged, "total": time.perf_counter() - started}, None
+    except Exception as error:   # noqa: BLE001  (reported in the JSON, not hidden)
+        return blocking, None, f"{type(error).__name__}: {error}"
+
+
+def run(args, env):
+    shape = shape_from_args(args)
+    directory = Path(args.dir)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    model = make(shape, args, env)
+    resumed = load(model, directory, env)
+    env.print0(f"attempt {restart + 1}: " + (f"resumed from the checkpoint of step {resumed}"
+                                             if resumed else "no checkpoint, from the start"))
+    saved_steps = []
+    for step in range(resumed, args.steps):
+        if restart == 0 and step == args.fail_at_step and env.rank == args.fail_rank:
+            os._exit(1)   # a crash: no clean-up, no word to the other ranks
+        model.train_step(*next_batch(shape, env))
+        if (step + 1) % args.every == 0 and step + 1 < args.steps:
+            save(model, step + 1, directory, env)
+            saved_steps.append(step + 1)
+    trained = [p.detach().clone() for p in model.parameters()]
+
+    blocking_s, async_s, async_error = save_seconds(model, directory)
+
+    uninterrupted = make(shape, args, env)   # the same run, never failing, never saving
+    for step in range(args.steps):
+        uninterrupted.train_step(*next_batch(shape, env))
+    diff = distenv.max_param_diff(trained, uninterrupted.parameters(), env.device)
+    failed = args.fail_at_step is not None and restart > 0
+    return {"restart_count": restart, "resumed_from_step": resumed,
+            "lost_steps": args.fail_at_step - resumed if failed else 0,
+            "max_param_diff_vs_uninterrupted": diff,
+            "checkpoint_save_s": {"blocking": blocking_s, "async": async_s},
+            "async_save_error": async_error, "checkpoints": saved_steps,
+            "steps": args.steps, "every": args.every}
+
+
+def parse_args(argv=None):
+    parser = distenv.lab_parser(__doc__)
+    parser.add_argument("--dir", required=True, help="checkpoint directory (shared by all ranks)")
+    parser.add_argument("--steps", type=distenv.positive_int, default=STEPS)
+    parser.add_argument("--every", type=distenv.positive_int, default=EVERY,
+                        help="save a checkpoint after every K steps")
+    parser.add_argument("--fail-at-step", type=distenv.at_least(0), default=None,
+                        help="on the first attempt, kill --fail-rank when it reaches this step")
+    parser.add_argument("--fail-rank", type=distenv.at_least(0), default=0)
+    add_shape_args(parser, SHAPE)
+    args = parser.parse_args(None if argv is None else [str(a) for a in argv])
+    shape_from_args(args)
+    if args.fail_at_step is not None and args.fail_at_step >= args.steps:
+        distenv.fail(f"--fail-at-step {args.fail_at_step} is past the last step "
+                     f"({args.steps - 1})")
+    return args
+
+
+def main():
+    args = parse_args()
+    with distenv.initialize(args) as env:
+        if args.fail_rank >= env.world_size:
+            distenv.fail(f"--fail-rank {args.fail_rank} is not a rank of a world of "
+                         f"{env.world_size}")
+        result = env.write_result(args, run(args, env))
+        if result is not None:
+            env.print0(f"restarts {result['restart_count']}, resumed from step "
+                       f"{result['resumed_from_step']}, {result['lost_steps']} step(s) "
+                       f"trained twice; max |parameter - uninterrupted| "
+                       f"{result['max_param_diff_vs_uninterrupted']:.1e}")
+
+
+if __name__ == "__main__":
+    main()
