@@ -51,8 +51,11 @@ book: venv
 	$(BIN)/jupyter-book build . $(JB_FLAGS)
 
 # The labs and cost models; tests/book checks the built pages, after the book (htmlcheck).
+# Two test files at a time (most of a lab's time is spent starting processes and waiting on
+# its peers), then the `timed` tests alone, since their bounds assume an unloaded machine.
 pytest: venv
-	$(BIN)/python -m pytest tests --ignore=tests/book --durations=15
+	$(BIN)/python -m pytest tests --ignore=tests/book -m "not timed" -n 2 --dist loadfile --durations=15
+	$(BIN)/python -m pytest tests --ignore=tests/book -m timed --durations=5
 
 htmlcheck: venv
 	$(BIN)/python -m pytest tests/book

@@ -18,6 +18,13 @@ LABS = Path(__file__).resolve().parent.parent / "labs"
 sys.path.insert(0, str(LABS))
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "timed: measures time against a bound (the pipeline bubble under "
+                   "controlled time); `make test` runs these alone, after the others, which "
+                   "run two files at a time")
+
+
 def run_script(lab, *args, env_extra=None, timeout=120):
     """`python labs/<lab>.py args...` as a world of one (no torchrun); returns CompletedProcess."""
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))

@@ -13,6 +13,8 @@ from labkit.launch import LabError, run_lab
 from labkit.notebook import lab_failure
 from labkit.pipeline_schedules import schedule_order
 
+pytestmark = pytest.mark.timed   # the bubble under controlled time: run alone
+
 SHAPE = pipeline.SHAPE
 COMPUTE_MS = 6
 TIMED = ["--compute-ms", COMPUTE_MS]

@@ -1,0 +1,118 @@
+"""Hangs, made on purpose: ranks that fall out of step, and how each one ends in a message.
+
+Every rank runs --steps steps of all-reduces; in step --at-step, rank --rank breaks step:
+
+  skip_collective  it skips the all-reduce: the others wait for it
+  wrong_shape      it all-reduces a tensor of another shape: the ranks disagree about what
+                   they are doing (TORCH_DISTRIBUTED_DEBUG=DETAIL names the op and both
+                   shapes before anything is sent)
+  sleep            it sleeps past --timeout before the all-reduce: the others give up
+
+None of them may hang. The process group's --timeout ends each wait, and every rank then
+says in one line which all-reduce it was in, how long it waited, and what it was told.
+--dump-stacks-after S makes every rank print the stack of every thread after S seconds
+(faulthandler.dump_traceback_later), which is how a stuck job shows where it is stuck;
+`kill -USR1 PID` does the same at any time (faulthandler on a signal), and py-spy dump
+--pid PID from outside.
+
+Launch lines (from the repository root):
+  laptop, gloo on CPU:   torchrun --standalone --nproc_per_node=2 labs/hang.py \\
+                           --mode skip_collective --timeout 3
+  the mismatch named:    TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun --standalone \\
+                           --nproc_per_node=2 labs/hang.py --mode wrong_shape --timeout 3
+  GPU box, NCCL:         the same with --nproc_per_node=8; the NCCL watchdog and flight
+                           recorder (TORCH_NCCL_*) say more, see the chapter
+
+It always fails (exit status 1) once a mode breaks step; with --mode none it runs clean
+and writes JSON: `steps`, `mode`.
+"""
+
+import faulthandler
+import os
+import re
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from labkit import distenv
+
+MODES = ("none", "skip_collective", "wrong_shape", "sleep")
+STEPS = 5
+NUMEL = 4
+
+
+def step_collective(step, args, env):
+    """One step's all-reduce, broken on one rank as the mode says."""
+    breaking = step == args.at_step and env.rank == args.rank
+    if breaking and args.mode == "skip_collective":
+        return
+    if breaking and args.mode == "sleep":
+        time.sleep(args.timeout + 2)
+    numel = NUMEL + 1 if breaking and args.mode == "wrong_shape" else NUMEL
+    summed = torch.ones(numel, device=env.device)
+    dist.all_reduce(summed)
+    if not bool((summed == env.world_size).all()):
+        # gloo does not compare shapes: ranks that disagree get wrong sums, silently
+        raise RuntimeError(f"the sums are wrong ({summed.tolist()}, not {env.world_size} "
+                           f"each): the ranks disagreed about the tensor; "
+                           f"TORCH_DISTRIBUTED_DEBUG=DETAIL checks shapes before sending")
+
+
+def guarded(what, collective, env):
+    """Run `collective`; if the group's timeout (or DETAIL's check) ends it, exit with one
+    line saying what this rank was doing, for how long, and what it was told."""
+    started = time.perf_counter()
+    try:
+        collective()
+    except (RuntimeError, dist.DistError) as error:
+        told = " ".join(str(error).split())
+        # DETAIL's fingerprints: keep the op, the shapes and the dtypes, not the options
+        told = re.sub(r", TensorDeviceTypes=TensorOptions\(.*?\)\)\)", ")", told)[:600]
+        distenv.fail(f"rank {env.rank}: {what} ended after "
+                     f"{time.perf_counter() - started:.1f} s: {told}")
+
+
+def run(args, env):
+    if args.dump_stacks_after is not None:
+        faulthandler.dump_traceback_later(args.dump_stacks_after, exit=False)
+    for step in range(args.steps):
+        guarded(f"the all-reduce of step {step}", lambda: step_collective(step, args, env), env)
+    guarded("the final barrier", dist.barrier, env)
+    faulthandler.cancel_dump_traceback_later()
+    return {"steps": args.steps, "mode": args.mode}
+
+
+def parse_args(argv=None):
+    parser = distenv.lab_parser(__doc__)
+    parser.add_argument("--mode", choices=MODES, default="skip_collective")
+    parser.add_argument("--steps", type=distenv.positive_int, default=STEPS)
+    parser.add_argument("--at-step", type=distenv.at_least(0), default=2,
+                        help="the step in which --rank breaks step")
+    parser.add_argument("--rank", type=distenv.at_least(0), default=1,
+                        help="the rank that breaks step")
+    parser.add_argument("--dump-stacks-after", type=float, default=None, metavar="S",
+                        help="every rank prints every thread's stack after S seconds")
+    args = parser.parse_args(None if argv is None else [str(a) for a in argv])
+    if args.at_step >= args.steps:
+        distenv.fail(f"--at-step {args.at_step} is past the last step ({args.steps - 1})")
+    return args
+
+
+def main():
+    args = parse_args()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)   # kill -USR1 PID: the stacks
+    with distenv.initialize(args) as env:
+        if args.mode != "none" and env.world_size < 2:
+            distenv.fail("a rank can only fall out of step with another: run 2 or more")
+        if args.mode != "none" and args.rank >= env.world_size:
+            distenv.fail(f"--rank {args.rank} is not a rank of a world of {env.world_size}")
+        env.print0(f"{env.world_size} ranks, {args.steps} all-reduces; rank {args.rank} "
+                   f"breaks step {args.at_step}: {args.mode} (--timeout {args.timeout:g} s, "
+                   f"TORCH_DISTRIBUTED_DEBUG={os.environ.get('TORCH_DISTRIBUTED_DEBUG', 'OFF')})")
+        env.write_result(args, run(args, env))
+
+
+if __name__ == "__main__":
+    main()
