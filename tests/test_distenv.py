@@ -45,11 +45,11 @@ def test_reader_command_is_what_a_reader_types():
 def test_two_agents_on_this_machine_rendezvous_as_two_nodes(capsys):
     """nnodes=2 starts two torchrun agents that meet through a c10d rendezvous on a free
     port of 127.0.0.1: torchrun's two-node launch, both "nodes" on this machine."""
-    result = run_lab("grad_averaging", 2, ["--steps", 2], nnodes=2)
-    assert (result["world_size"], result["local_world_size"], result["num_nodes"]) == (4, 2, 2)
+    result = run_lab("grad_averaging", 1, ["--steps", 2], nnodes=2)
+    assert (result["world_size"], result["local_world_size"], result["num_nodes"]) == (2, 1, 2)
     assert result["variants"]["ddp"]["max_param_diff"] <= 1e-5
     shown = capsys.readouterr().out
-    assert "# on each node:" in shown and "--nnodes=2 --nproc_per_node=2" in shown
+    assert "# on each node:" in shown and "--nnodes=2 --nproc_per_node=1" in shown
     assert reader_command("ddp", 8, nnodes=2).startswith(
         "torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT")
 

@@ -13,9 +13,10 @@ from labkit.launch import LabError, run_lab
 from labkit.notebook import lab_failure
 from labkit.pipeline_schedules import schedule_order
 
-pytestmark = pytest.mark.timed   # the bubble under controlled time: run alone
 
 SHAPE = pipeline.SHAPE
+# the runs under controlled time (the result fixture's): `make test` runs them alone
+ALONE = pytest.mark.timed
 COMPUTE_MS = 6
 TIMED = ["--compute-ms", COMPUTE_MS]
 # p -> (micro-batch counts, options): one launch per p, every schedule, m = 1 and m >= p;
@@ -37,6 +38,7 @@ def result(request):
         "--schedule", schedules, "--microbatches", microbatches, *options], echo=False)
 
 
+@ALONE
 def test_the_result_says_where_it_came_from(result):
     for key in ("lab", "world_size", "backend", "hardware", "torch_version", "created", "args"):
         assert key in result, key
@@ -55,6 +57,7 @@ def test_the_result_says_where_it_came_from(result):
             assert set(r) == fields, name
 
 
+@ALONE
 def test_every_schedule_matches_one_process_and_the_pitfall_does_not(result):
     for entry in result["sweep"]:
         m, ran = entry["microbatches"], entry["schedules"]
@@ -66,6 +69,7 @@ def test_every_schedule_matches_one_process_and_the_pitfall_does_not(result):
                 assert r["expected_equal"] and r["max_param_diff"] <= 1e-5, (m, name)
 
 
+@ALONE
 def test_torch_schedules_run_where_torch_allows_them(result):
     p = result["pp"]
     for entry in result["sweep"]:
@@ -78,6 +82,7 @@ def test_torch_schedules_run_where_torch_allows_them(result):
         assert "torch_gpipe" in ran and (p == 1 or "torch_interleaved" in set(ran) | refused)
 
 
+@ALONE
 def test_in_flight_and_bytes_equal_the_prediction_exactly(result):
     p = result["pp"]
     for entry in result["sweep"]:
@@ -95,6 +100,7 @@ def test_in_flight_and_bytes_equal_the_prediction_exactly(result):
             [0] if p == 1 else [one_way] + [2 * one_way] * (p - 2) + [one_way])
 
 
+@ALONE
 def test_the_bubble_under_controlled_time_follows_the_formula(result):
     # The time between ops (a message, a process waking up) is idle time the formula
     # leaves out: the measured bubble lies above it, by less the longer the ops. With 6 ms
