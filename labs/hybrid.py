@@ -117,11 +117,10 @@ def measured_state(piece, optimizer):
     """{params, grads, optimizer, total} bytes this rank holds, counted tensor by tensor
     (of a DTensor, its own shard)."""
     params = list(piece.parameters())
-    nbytes = lambda tensors: sum(distenv.local_tensor(t).numel() * t.element_size()  # noqa: E731
-                                 for t in tensors)
     state = [v for p in params for v in optimizer.state[p].values() if torch.is_tensor(v)]
-    row = {"params": nbytes(params), "grads": nbytes(p.grad for p in params if p.grad is not None),
-           "optimizer": nbytes(state)}
+    row = {"params": distenv.local_bytes(params),
+           "grads": distenv.local_bytes(p.grad for p in params if p.grad is not None),
+           "optimizer": distenv.local_bytes(state)}
     row["total"] = sum(row.values())
     return row
 

@@ -77,15 +77,6 @@ OPTIMIZERS = {
 }
 
 
-def local_bytes(tensors):
-    """Bytes of the part of each tensor this rank holds: a DTensor's own shard."""
-    total = 0
-    for t in tensors:
-        local = distenv.local_tensor(t)
-        total += local.numel() * local.element_size()
-    return total
-
-
 def wrap(model, strategy, env, optimizer_name):
     """(module to call, optimizer) for one strategy, built with torch's own implementation."""
     optimizer_class, options = OPTIMIZERS[optimizer_name]
@@ -118,17 +109,18 @@ def train_and_count(wrapped, optimizer, shape, args, env):
         optimizer.zero_grad(set_to_none=True)
         ids, targets = rank_batch(shape, args.batch, args.seed, step, env.rank, env.device)
         loss = next_token_loss(wrapped(ids), targets)
-        counted["params"] = local_bytes(wrapped.parameters())
+        counted["params"] = distenv.local_bytes(wrapped.parameters())
         loss.backward()
-        counted["grads"] = local_bytes(p.grad for p in wrapped.parameters() if p.grad is not None)
+        counted["grads"] = distenv.local_bytes(p.grad for p in wrapped.parameters()
+                                               if p.grad is not None)
         optimizer.step()
     # ZeroRedundancyOptimizer keeps this rank's partition in an inner optimizer, `.optim`
     local_optimizer = getattr(optimizer, "optim", optimizer)
     state = [t for per_param in local_optimizer.state.values() for t in per_param.values()
              if torch.is_tensor(t)]
-    counted["optimizer"] = local_bytes(t for t in state if t.dim() > 0)
+    counted["optimizer"] = distenv.local_bytes(t for t in state if t.dim() > 0)
     counted["total"] = counted["params"] + counted["grads"] + counted["optimizer"]
-    step_counters = local_bytes(t for t in state if t.dim() == 0)
+    step_counters = distenv.local_bytes(t for t in state if t.dim() == 0)
     return counted, step_counters
 
 

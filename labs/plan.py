@@ -166,16 +166,15 @@ def configurations(shape, args):
 
 
 def parse_tokens(text):
-    """'4M' -> 4194304 tokens (binary units, as batch sizes are quoted), '1e6', '524288'."""
-    units = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}
-    scale = units.get(text[-1:].upper(), 1)
+    """'4M' -> 4194304 tokens (binary units, as batch sizes are quoted), '524288'."""
     try:
-        value = float(text[:-1] if scale != 1 else text) * scale
+        value = comm_model.parse_size(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a token count: {text!r}") from None
-    if value < 1 or value != int(value):
-        raise argparse.ArgumentTypeError(f"must be a whole number of tokens, got {text!r}")
-    return int(value)
+        raise argparse.ArgumentTypeError(
+            f"not a token count: {text!r} (a whole number with an optional K, M or G)") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 token, got {text!r}")
+    return value
 
 
 def positive_float(text):

@@ -260,6 +260,15 @@ def local_tensor(tensor):
     return tensor.to_local() if dtensor is not None and isinstance(tensor, dtensor) else tensor
 
 
+def local_bytes(tensors):
+    """Bytes of the part of each tensor this rank holds (local_tensor), summed."""
+    total = 0
+    for t in tensors:
+        local = local_tensor(t)
+        total += local.numel() * local.element_size()
+    return total
+
+
 def max_param_diff(params, reference, device):
     """Largest |difference| between two lists of tensors, over all of them and all ranks
     (a collective: every rank calls it)."""
