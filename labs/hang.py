@@ -11,7 +11,8 @@ Every rank runs --steps steps of all-reduces; in step --at-step, rank --rank bre
 None of them may hang. The process group's --timeout ends each wait, and every rank then
 says in one line which all-reduce it was in, how long it waited, and what it was told.
 --dump-stacks-after S makes every rank print the stack of every thread after S seconds
-(faulthandler.dump_traceback_later), which is how a stuck job shows where it is stuck;
+(faulthandler.dump_traceback_later; rank r 0.3 r s later, so that the dumps do not mix),
+which is how a stuck job shows where it is stuck;
 `kill -USR1 PID` does the same at any time (faulthandler on a signal), and py-spy dump
 --pid PID from outside.
 
@@ -41,6 +42,9 @@ from labkit import distenv
 MODES = ("none", "skip_collective", "wrong_shape", "sleep")
 STEPS = 5
 NUMEL = 4
+# --dump-stacks-after: rank r dumps this much later than rank r - 1, so that the ranks'
+# dumps, which share one log, come one after another instead of interleaved line by line
+DUMP_STAGGER_S = 0.3
 
 
 def step_collective(step, args, env):
@@ -76,7 +80,8 @@ def guarded(what, collective, env):
 
 def run(args, env):
     if args.dump_stacks_after is not None:
-        faulthandler.dump_traceback_later(args.dump_stacks_after, exit=False)
+        faulthandler.dump_traceback_later(args.dump_stacks_after + DUMP_STAGGER_S * env.rank,
+                                          exit=False)
     for step in range(args.steps):
         guarded(f"the all-reduce of step {step}", lambda: step_collective(step, args, env), env)
     guarded("the final barrier", dist.barrier, env)

@@ -5,7 +5,10 @@ checkpoint with torch.distributed.checkpoint (DCP) after every --every steps: th
 the optimizer's state and the step, each rank's random-number generator beside them, and
 last a `latest` marker, so that a crash during a save leaves the previous checkpoint in
 force. Each step's batch is drawn from the global generator, so that a resumed run sees the
-same data only if that generator's state was saved too.
+same data only if that generator's state was saved too. The gradients are averaged one
+parameter at a time (a DDP communication hook): DDP regroups its buckets after its first
+iteration, and a resumed run would otherwise add its first step's gradients in another
+order than the run it continues, which from 3 ranks on changes the last bits.
 
 With --fail-at-step S --fail-rank R, rank R exits at once (os._exit, as a crash would: no
 clean-up, no message to its peers) when it reaches step S on the first attempt. Run under
@@ -25,12 +28,18 @@ Launch lines (from the repository root):
              --dir /shared/ckpt --fail-at-step 7 --fail-rank 9
 
 JSON: `restart_count`, `resumed_from_step` (0 when nothing was loaded), `lost_steps` (the
-steps trained after the last checkpoint and trained again), `max_param_diff_vs_uninterrupted`,
+steps trained after the last checkpoint and trained again),
+`max_param_diff_vs_uninterrupted`, `max_param_diff_resumed_without_rng_state` (the same
+resume with the generator left as a fresh start seeds it, so that the steps after the
+checkpoint see the first steps' data again; null when nothing was resumed),
+`max_param_diff_resumed_with_ddp_buckets` (a resume, in memory, with DDP's own bucketed
+all-reduce instead of the lab's one gradient at a time: not 0.0 from 3 ranks on),
 `checkpoint_save_s` {blocking: one dcp.save of the trained state, async: {staging, total}
-of one dcp.async_save, or null and `async_save_error` says why}, `checkpoints` (the
-steps this attempt saved), `steps`, `every`.
+of one dcp.async_save, or null and `async_save_error` says why}, `checkpoints` (the steps
+this attempt saved), `steps`, `every`.
 """
 
+import copy
 import json
 import os
 import time
@@ -52,11 +61,33 @@ LEARNING_RATE, MOMENTUM = 0.1, 0.9
 LATEST = "latest"    # the marker naming the last complete checkpoint
 
 
-def make(shape, args, env):
-    """The model and optimizer, from the seed; the global generator seeded per rank."""
+def each_gradient_on_its_own(group, bucket):
+    """DDP's averaging, one parameter's gradient at a time instead of a bucket at once.
+
+    Bit for bit, a resumed run must add the ranks' gradients in the same order as the run
+    it continues. A ring adds each element in an order set by where the element sits in
+    the tensor it reduces, and DDP's buckets change after its first iteration (it
+    regroups the gradients in the order they became ready): the first step after a resume
+    would group them as step 0 did. With 2 ranks that changes nothing (a + b = b + a);
+    with 3, (a + b) + c and a + (b + c) differ in the last bit. Reduced on its own, each
+    gradient is added in an order that depends on its parameter alone."""
+    buffer = bucket.buffer()
+    for piece in buffer.split([p.numel() for p in bucket.parameters()]):
+        dist.all_reduce(piece, group=group)
+    buffer.div_(dist.get_world_size(group))
+    done = torch.futures.Future()
+    done.set_result(buffer)
+    return done
+
+
+def make(shape, args, env, per_parameter=True):
+    """The model and optimizer, from the seed; the global generator seeded per rank.
+    per_parameter=False keeps DDP's own bucketed all-reduce."""
     torch.manual_seed(args.seed)
+    hook = each_gradient_on_its_own if per_parameter else None
     model = TorchDDP(Transformer(shape).to(env.device), env.device,
-                     lambda params: torch.optim.SGD(params, lr=LEARNING_RATE, momentum=MOMENTUM))
+                     lambda params: torch.optim.SGD(params, lr=LEARNING_RATE, momentum=MOMENTUM),
+                     comm_hook=hook)
     torch.manual_seed(distenv.derived_seed(args.seed, "batches", env.rank))
     return model
 
@@ -81,8 +112,10 @@ def save(model, step, directory, env):
     dist.barrier()
 
 
-def load(model, directory, env):
-    """Load the last complete checkpoint into `model`; its step, or 0 if there is none."""
+def load(model, directory, env, restore_rng=True):
+    """Load the last complete checkpoint into `model`; its step, or 0 if there is none.
+    restore_rng=False leaves the generator as it is: the pitfall of a resume that saved
+    the model and the optimizer but not where the data stream was."""
     marker = directory / LATEST
     if not marker.is_file():
         return 0
@@ -93,8 +126,29 @@ def load(model, directory, env):
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model.model, model.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
-    torch.set_rng_state(torch.load(path / f"rng-{env.rank}.pt"))
+    if restore_rng:
+        torch.set_rng_state(torch.load(path / f"rng-{env.rank}.pt"))
     return saved["step"]
+
+
+def resumed_with_ddp_buckets(shape, args, env, at_step):
+    """The pitfall of DDP's own bucketed all-reduce: a run trained straight through, and
+    the same run continued from a copy of its state at `at_step` (model, optimizer and
+    generator, kept in memory) in a new DDP, as a restart builds one. The largest
+    difference between the two, 0.0 only where the order of additions did not matter."""
+    straight = make(shape, args, env, per_parameter=False)
+    for step in range(args.steps):
+        if step == at_step:
+            state = copy.deepcopy(get_state_dict(straight.model, straight.optimizer))
+            rng = torch.get_rng_state()
+        straight.train_step(*next_batch(shape, env))
+    restarted = make(shape, args, env, per_parameter=False)
+    set_state_dict(restarted.model, restarted.optimizer, model_state_dict=state[0],
+                   optim_state_dict=state[1])
+    torch.set_rng_state(rng)
+    for step in range(at_step, args.steps):
+        restarted.train_step(*next_batch(shape, env))
+    return distenv.max_param_diff(restarted.parameters(), straight.parameters(), env.device)
 
 
 def save_seconds(model, directory):
@@ -142,10 +196,22 @@ def run(args, env):
     for step in range(args.steps):
         uninterrupted.train_step(*next_batch(shape, env))
     diff = distenv.max_param_diff(trained, uninterrupted.parameters(), env.device)
+
+    without_rng = None   # the same resume, from the same checkpoint, minus the generator
+    if resumed:
+        naive = make(shape, args, env)   # seeds the generator as a fresh start does
+        load(naive, directory, env, restore_rng=False)
+        for step in range(resumed, args.steps):
+            naive.train_step(*next_batch(shape, env))
+        without_rng = distenv.max_param_diff(naive.parameters(), uninterrupted.parameters(),
+                                             env.device)
+    with_ddp_buckets = resumed_with_ddp_buckets(shape, args, env, resumed or args.every)
     failed = args.fail_at_step is not None and restart > 0
     return {"restart_count": restart, "resumed_from_step": resumed,
             "lost_steps": args.fail_at_step - resumed if failed else 0,
             "max_param_diff_vs_uninterrupted": diff,
+            "max_param_diff_resumed_without_rng_state": without_rng,
+            "max_param_diff_resumed_with_ddp_buckets": with_ddp_buckets,
             "checkpoint_save_s": {"blocking": blocking_s, "async": async_s},
             "async_save_error": async_error, "checkpoints": saved_steps,
             "steps": args.steps, "every": args.every}

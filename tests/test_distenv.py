@@ -9,6 +9,7 @@ import pytest
 import torch
 import yaml
 
+import ranks
 from conftest import assert_fails_with_one_line
 from labkit import distenv, launch
 from labkit.launch import LabError, reader_command, run_lab
@@ -45,13 +46,37 @@ def test_reader_command_is_what_a_reader_types():
 def test_two_agents_on_this_machine_rendezvous_as_two_nodes(capsys):
     """nnodes=2 starts two torchrun agents that meet through a c10d rendezvous on a free
     port of 127.0.0.1: torchrun's two-node launch, both "nodes" on this machine."""
-    result = run_lab("grad_averaging", 1, ["--steps", 2], nnodes=2)
+    result = run_lab("ranks", 1, nnodes=2)
     assert (result["world_size"], result["local_world_size"], result["num_nodes"]) == (2, 1, 2)
-    assert result["variants"]["ddp"]["max_param_diff"] <= 1e-5
+    assert [(r["rank"], r["group_rank"], r["local_rank"]) for r in result["ranks"]] == [
+        (0, 0, 0), (1, 1, 0)]
+    assert len({r["agent_pid"] for r in result["ranks"]}) == 2   # one agent per node
     shown = capsys.readouterr().out
     assert "# on each node:" in shown and "--nnodes=2 --nproc_per_node=1" in shown
     assert reader_command("ddp", 8, nnodes=2).startswith(
         "torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT")
+
+
+def test_a_layout_that_does_not_fit_is_named():
+    def rank(r, node, local, agent):
+        return {"rank": r, "group_rank": node, "local_rank": local, "local_world_size": 2,
+                "agent_pid": agent}
+    good = [rank(0, 0, 0, 10), rank(1, 0, 1, 10), rank(2, 1, 0, 11), rank(3, 1, 1, 11)]
+    assert ranks.layout_problems(good) == []
+    swapped = [rank(0, 0, 0, 10), rank(1, 1, 1, 10), rank(2, 1, 0, 11), rank(3, 0, 1, 11)]
+    assert any("rank 1 is not node 1's first rank" in p for p in ranks.layout_problems(swapped))
+    twice = good[:3] + [rank(2, 1, 1, 11)]
+    assert "once each" in ranks.layout_problems(twice)[0]
+    two_agents = good[:3] + [rank(3, 1, 1, 12)]
+    assert ranks.layout_problems(two_agents) == ["a node's ranks were not started by one agent"]
+
+
+def test_env_reaches_the_lab_and_the_readers_command():
+    result = run_lab("ranks", None, env={"GROUP_RANK": 3}, echo=False)   # a world of one
+    assert result["world_size"] == 1 and result["ranks"][0]["group_rank"] == 3
+    assert reader_command("hang", 2, ["--mode", "sleep"],
+                          env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}).startswith(
+        "TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun --standalone --nproc_per_node=2")
 
 
 def test_launcher_raises_with_the_labs_own_error():

@@ -62,14 +62,19 @@ def slurm_env(tmp_path):
 @pytest.mark.parametrize("script", ["torchrun.sbatch", "srun.sbatch"])
 def test_a_batch_script_runs_two_nodes(script, slurm_env, tmp_path):
     out = tmp_path / "result.json"
-    done = subprocess.run(["bash", str(REPO / "scripts" / "slurm" / script), "grad_averaging",
-                           "--steps", "2", "--out", str(out)], env=slurm_env,
+    done = subprocess.run(["bash", str(REPO / "scripts" / "slurm" / script), "ranks",
+                           "--out", str(out)], env=slurm_env,
                           capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(out.read_text())
-    # one GPU (rank) per "node" keeps it quick: what is checked is the two-node wiring
+    # one GPU (rank) per "node" keeps it quick: what is checked is the two-node wiring,
+    # and the ranks lab has checked that the layout fits (RANK from GROUP_RANK, LOCAL_RANK)
     assert (result["world_size"], result["local_world_size"], result["num_nodes"]) == (2, 1, 2)
-    assert result["variants"]["ddp"]["max_param_diff"] <= 1e-5
+    assert [(r["rank"], r["group_rank"], r["local_rank"]) for r in result["ranks"]] == [
+        (0, 0, 0), (1, 1, 0)]
+    # the store is on the first host scontrol named (torchrun: the node that got rank 0)
+    assert {r["master_addr"] for r in result["ranks"]} <= {"127.0.0.1", socket.getfqdn(),
+                                                           socket.gethostname()}
 
 
 def test_a_script_without_a_lab_says_how_to_use_it(slurm_env):

@@ -43,10 +43,12 @@ class LabError(RuntimeError):
         self.output = output
 
 
-def reader_command(lab, nproc, args=(), width=88, nnodes=1, max_restarts=0):
+def reader_command(lab, nproc, args=(), width=88, nnodes=1, max_restarts=0, env=None):
     """The command a reader would type for the same run, from the repository root; past
     `width` characters it continues on the next line (a backslash), so a page shows it
-    whole. With nnodes > 1, the command each node runs (HOST: the rendezvous's)."""
+    whole. With nnodes > 1, the command each node runs (HOST: the rendezvous's); `env`,
+    variables set for the run, come first (NAME=value torchrun ...)."""
+    prefix = [f"{name}={value}" for name, value in (env or {}).items()]
     if nproc is None:
         words = ["python", f"labs/{lab}.py", *map(str, args)]
     elif nnodes > 1:
@@ -58,7 +60,7 @@ def reader_command(lab, nproc, args=(), width=88, nnodes=1, max_restarts=0):
                  *([f"--max-restarts={max_restarts}"] if max_restarts else []),
                  f"labs/{lab}.py", *map(str, args)]
     lines, line = [], []
-    for word in map(shlex.quote, words):
+    for word in [*prefix, *map(shlex.quote, words)]:
         # an option and its value stay together: break before an option only
         if line and word.startswith("-") and len(" ".join(line + [word])) > width - 4:
             lines.append(" ".join(line))
@@ -68,8 +70,8 @@ def reader_command(lab, nproc, args=(), width=88, nnodes=1, max_restarts=0):
     return " \\\n    ".join(lines)
 
 
-def run_lab(lab, nproc=1, args=(), *, nnodes=1, max_restarts=0, timeout=LAUNCH_TIMEOUT_S,
-            echo=True):
+def run_lab(lab, nproc=1, args=(), *, nnodes=1, max_restarts=0, env=None,
+            timeout=LAUNCH_TIMEOUT_S, echo=True):
     """Launch `labs/<lab>.py` on `nproc` local processes; return its parsed JSON result.
 
     nproc=None runs `python labs/<lab>.py` as one process without torchrun, for what a
@@ -77,7 +79,8 @@ def run_lab(lab, nproc=1, args=(), *, nnodes=1, max_restarts=0, timeout=LAUNCH_T
     nnodes=K starts K torchrun agents on this machine, each with nproc ranks, that meet
     through a c10d rendezvous on 127.0.0.1 and a free port: K "nodes" as torchrun sees
     them, a world of K x nproc. max_restarts=R lets torchrun start the group again, up to
-    R times, when a rank dies.
+    R times, when a rank dies. env={NAME: value} sets variables for this run alone (the
+    notebook's own environment is left as it is).
     echo=True prints the reader's command and the lab's output as it comes; "command"
     the command alone; False nothing (the output still goes into a failure's message).
     """
@@ -87,8 +90,10 @@ def run_lab(lab, nproc=1, args=(), *, nnodes=1, max_restarts=0, timeout=LAUNCH_T
     args = [str(a) for a in args]
     if echo:
         print(("# on each node:\n" if nnodes > 1 else "") + "$ "
-              + reader_command(lab, nproc, args, nnodes=nnodes, max_restarts=max_restarts),
+              + reader_command(lab, nproc, args, nnodes=nnodes, max_restarts=max_restarts,
+                               env=env),
               flush=True)
+    extra_env = {name: str(value) for name, value in (env or {}).items()}
     echo = echo is True   # from here on: whether to stream the lab's output
 
     with tempfile.TemporaryDirectory(prefix=f"{lab}-") as tmp:
@@ -96,11 +101,11 @@ def run_lab(lab, nproc=1, args=(), *, nnodes=1, max_restarts=0, timeout=LAUNCH_T
         restarts = [f"--max-restarts={max_restarts}"] if max_restarts else []
         commands = [[sys.executable, *launcher, *restarts, str(script), *args, "--out", str(out)]
                     for launcher in _launchers(lab, nproc, nnodes)]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        run_env = dict(os.environ, PYTHONUNBUFFERED="1", **extra_env)
         # Without it torchrun prints a banner and sets 1 itself; with N ranks on few
         # cores, one thread per rank is also what keeps them from fighting.
-        env.setdefault("OMP_NUM_THREADS", "1")
-        returncode, lines = _run_streaming(commands, env, timeout, echo)
+        run_env.setdefault("OMP_NUM_THREADS", "1")
+        returncode, lines = _run_streaming(commands, run_env, timeout, echo)
         if returncode != 0:
             raise LabError(_failure_message(lab, nproc, returncode, lines),
                            returncode, "".join(lines))
@@ -196,8 +201,9 @@ def _failure_message(lab, nproc, returncode, lines):
 
 
 def _is_error_line(lab, line):
-    """`<lab>: error: ...` (bad input) or `SomeError: ...` (an exception), not torchrun's."""
-    if line.startswith(f"{lab}: error:"):
+    """`<lab>: error: ...` (bad input), `SomeError: ...` (an exception), not torchrun's, or
+    `what(): ...` (a C++ exception that ended the process, such as gloo's checks)."""
+    if line.startswith(f"{lab}: error:") or line.lstrip().startswith("what():"):
         return True
     match = re.match(r"[\w.]*(Error|Exception): ", line)
     return bool(match) and "ChildFailedError" not in line

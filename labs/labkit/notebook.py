@@ -5,6 +5,7 @@
 
   run_lab        launch a lab under torchrun and get its JSON back (labkit.launch)
   lab_failure    launch a lab that must fail (a pitfall) and get the line that says why
+                 (and, in .output, all it printed)
   glue           put a number computed in a cell into the prose, {glue:text}`name`
   table          a Markdown table from a header and rows
   format_bytes, format_percent, format_seconds   numbers written as a person would
@@ -104,12 +105,22 @@ def format_seconds(seconds):
     return f"{_three_digits(seconds / 1e-9)} ns"
 
 
-def lab_failure(lab, nproc=1, args=()):
+class LabFailure(str):
+    """The lines in which a failed lab said why (a str, so print() shows them), with
+    `.output`: everything it printed, for what else it said (a dump of its stacks)."""
+
+    def __new__(cls, said, output):
+        failure = super().__new__(cls, said)
+        failure.output = output
+        return failure
+
+
+def lab_failure(lab, nproc=1, args=(), env=None):
     """Run a lab that is meant to fail, and return the lines in which it said why (its own
-    error lines, which LabError's message lists first); if it succeeds instead, raise, so
-    that the chapter (and the build) fails."""
+    error lines, which LabError's message lists first) as a LabFailure; if it succeeds
+    instead, raise, so that the chapter (and the build) fails."""
     try:
-        run_lab(lab, nproc, args, echo=False)
+        run_lab(lab, nproc, args, env=env, echo=False)
     except LabError as error:
         lines = str(error).splitlines()
         said = []
@@ -118,5 +129,5 @@ def lab_failure(lab, nproc=1, args=()):
                 if not line.startswith("  "):
                     break   # "Its output (...)": the tail of everything it printed
                 said.append(line.strip())
-        return "\n".join(said or lines[:1])
+        return LabFailure("\n".join(said or lines[:1]), error.output)
     raise AssertionError(f"{lab} {' '.join(map(str, args))} was expected to fail and did not")
