@@ -41,8 +41,11 @@ ifeq ($(TORCH),system)
 	grep -v '^torch==' requirements.txt > $(VENV)/requirements-without-torch.txt
 	$(BIN)/python -m pip install -r $(VENV)/requirements-without-torch.txt
 else
-	$(BIN)/python -m pip install -r requirements.txt
+	$(BIN)/python -m pip install --no-compile -r requirements.txt
 endif
+	@# Byte-compile what was installed, on every core (pip compiles one file at a time);
+	@# -qq: like pip, say nothing of the few files written for a newer Python
+	$(BIN)/python -m compileall -qq -j 0 $(VENV)/lib || true
 	touch $@
 
 venv: $(VENV)/.installed

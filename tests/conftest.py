@@ -25,6 +25,20 @@ def pytest_configure(config):
                    "run two files at a time")
 
 
+# `make test` runs the test files two at a time, handing each worker the next file in
+# collection order. The files that launch the most processes (measured, seconds of work
+# each) go first, so that the run does not end on one long file while the other worker
+# idles; the rest follow in their usual order.
+HEAVY_FIRST = ("test_hybrid.py", "test_grad_averaging.py", "test_memory.py", "test_hang.py",
+               "test_fsdp.py", "test_distenv.py", "test_tensor_parallel.py",
+               "test_mini_ddp.py", "test_checkpoint.py", "test_zero_libraries.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    order = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: order.get(item.path.name, len(HEAVY_FIRST)))   # stable
+
+
 def run_script(lab, *args, env_extra=None, timeout=120):
     """`python labs/<lab>.py args...` as a world of one (no torchrun); returns CompletedProcess."""
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))

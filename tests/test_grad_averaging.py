@@ -1,5 +1,5 @@
 """Chapter 1's lab: averaged gradients over N ranks equal one step on the whole batch.
-The chapter runs it at N = 4; here N = 1, 2, 3 and 5."""
+The chapter runs it at N = 4 and asserts the same; here N = 1, 2 and 3 (odd)."""
 
 import pytest
 import torch
@@ -60,13 +60,6 @@ def test_no_set_epoch_agrees_until_the_second_epoch(result):
     first_epoch = result["microbatches_per_epoch"]
     assert max(diffs[:first_epoch]) <= result["tolerance"]
     assert max(diffs[first_epoch:]) > result["tolerance"]
-
-
-def test_an_odd_larger_world_also_matches():
-    result = run_lab("grad_averaging", 5, ["--steps", 6], echo=False)
-    assert all(result["variants"][name]["max_param_diff"] <= 1e-5 for name in CORRECT)
-    assert all(result["variants"][name]["max_param_diff"] > 1e-3
-               for name in ("sum_not_mean", "unequal_shards"))
 
 
 def test_help_works_without_torchrun(script):

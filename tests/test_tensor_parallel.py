@@ -22,7 +22,8 @@ def ring(op, elements, t):
     return (2 if op == "all_reduce" else 1) * (t - 1) * 4 * elements / t
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3, 4])
+# t = 1, 2 and 3; the chapter runs t = 2 and 4 and asserts the same (tensor_parallel.md)
+@pytest.fixture(scope="module", params=[1, 2, 3])
 def result(request):
     t = request.param
     return run_lab("tensor_parallel", None if t == 1 else t, echo=False)

@@ -19,6 +19,13 @@ name says otherwise.
 import math
 import random
 
+DAY = 86_400
+# The published example: Llama 3's 54-day snapshot of pre-training on 16,384 H100 GPUs saw
+# 419 unexpected interruptions, about 78 % of them confirmed or suspected hardware (Dubey
+# et al. 2024, section 3.3.4)
+LLAMA3_DAYS, LLAMA3_INTERRUPTIONS, LLAMA3_GPUS = 54, 419, 16_384
+LLAMA3_HARDWARE_SHARE = 0.78
+
 
 def job_mtbf(device_mtbf_s, devices):
     """Mean time between interruptions of a job that stops whenever any of its `devices`
