@@ -80,11 +80,11 @@ def test_env_reaches_the_lab_and_the_readers_command():
 
 
 def test_launcher_raises_with_the_labs_own_error():
-    # --samples 5 cannot hold one global batch at N = 2: every rank exits with that line
+    # --rank 5 is not a rank of a world of 2: every rank exits with that line
     with pytest.raises(LabError) as error:
-        run_lab("grad_averaging", 2, ["--samples", 5], echo=False)
+        run_lab("hang", 2, ["--rank", 5], echo=False)
     assert error.value.returncode != 0
-    assert "--samples 5 is smaller than one global batch" in str(error.value)
+    assert "--rank 5 is not a rank of a world of 2" in str(error.value)
 
 
 def test_launcher_rejects_an_unknown_lab():
@@ -94,7 +94,7 @@ def test_launcher_rejects_an_unknown_lab():
 
 def test_out_is_written_atomically_by_a_world_of_one(script, tmp_path):
     out = tmp_path / "sub" / "result.json"
-    done = script("grad_averaging", "--steps", 1, "--out", out)
+    done = script("ranks", "--out", out)
     assert done.returncode == 0, done.stderr
     assert json.loads(out.read_text())["world_size"] == 1
     assert [p.name for p in out.parent.iterdir()] == ["result.json"]  # no temp file left

@@ -1,7 +1,7 @@
 """The tensor-parallel lab: Megatron-LM's split from scratch and torch's DTensor, against
 one process trained on the same batches, every collective and byte against counts made
 by hand. The chapter runs t = 2 and 4 and asserts the same against the cost model
-(tensor_parallel.md, hidden cells); here t = 1, 2, 3 and 4."""
+(tensor_parallel.md, hidden cells); here t = 1 and 3."""
 
 import pytest
 
@@ -22,8 +22,9 @@ def ring(op, elements, t):
     return (2 if op == "all_reduce" else 1) * (t - 1) * 4 * elements / t
 
 
-# t = 1, 2 and 3; the chapter runs t = 2 and 4 and asserts the same (tensor_parallel.md)
-@pytest.fixture(scope="module", params=[1, 2, 3])
+# t = 1 and 3 (odd); the chapter runs t = 2 and 4 and asserts the same exactly
+# (tensor_parallel.md, hidden cells)
+@pytest.fixture(scope="module", params=[1, 3])
 def result(request):
     t = request.param
     return run_lab("tensor_parallel", None if t == 1 else t, echo=False)

@@ -10,7 +10,8 @@ name says otherwise.
   young_daly_interval the checkpoint interval that loses the least time, sqrt(2 C M)
                       (Young, 1974; Daly, 2006, first order), C the time to save one
   expected_goodput    the useful fraction of time at interval tau, to first order:
-                      tau / (tau + C) x (1 - (R + tau / 2) / M), R the time to restart
+                      tau / (tau + C) x (1 - (R + (tau + C) / 2) / M), R the time to
+                      restart
   simulate_goodput    the same measured on a seeded run of exponential failures: work is
                       saved every tau of progress, a failure loses what came after the
                       last save and costs a restart
