@@ -20,6 +20,10 @@ def test_llama3_interruptions_give_a_device_mtbf_of_years():
     assert failure_model.job_mtbf(device, 16384) == pytest.approx(job)
     # the same devices, 8 times fewer of them: 8 times longer between interruptions
     assert failure_model.job_mtbf(device, 2048) == pytest.approx(8 * job)
+    # the constants the chapter uses are the published figures (section 3.3.4)
+    assert (failure_model.LLAMA3_DAYS, failure_model.LLAMA3_INTERRUPTIONS,
+            failure_model.LLAMA3_GPUS, failure_model.LLAMA3_HARDWARE_SHARE) == (
+        54, 419, 16384, 0.78)
 
 
 def test_young_daly_by_hand():
