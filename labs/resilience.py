@@ -205,7 +205,9 @@ def run(args, env):
             naive.train_step(*next_batch(shape, env))
         without_rng = distenv.max_param_diff(naive.parameters(), uninterrupted.parameters(),
                                              env.device)
-    with_ddp_buckets = resumed_with_ddp_buckets(shape, args, env, resumed or args.every)
+    # split where the real run resumed, or else at its first checkpoint (a step it trains)
+    split = resumed or min(args.every, args.steps - 1)
+    with_ddp_buckets = resumed_with_ddp_buckets(shape, args, env, split)
     failed = args.fail_at_step is not None and restart > 0
     return {"restart_count": restart, "resumed_from_step": resumed,
             "lost_steps": args.fail_at_step - resumed if failed else 0,

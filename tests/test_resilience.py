@@ -1,6 +1,8 @@
 """A rank killed mid-run, the group restarted by torchrun, the run resumed from its last
 DCP checkpoint: the final parameters equal an uninterrupted run's bit for bit."""
 
+import json
+
 import pytest
 
 import resilience
@@ -34,3 +36,15 @@ def test_bad_input_is_refused_in_one_line(script, tmp_path):
                    "--every must be at least 1")
     assert_fails_with_one_line(script("resilience", "--dir", tmp_path, "--fail-rank", 3),
                                "--fail-rank 3 is not a rank of a world of 1")
+
+
+def test_a_run_that_never_saves_still_reports(script, tmp_path):
+    """--every past the last step: no checkpoint, nothing resumed, a world of one."""
+    out = tmp_path / "result.json"
+    done = script("resilience", "--dir", tmp_path / "ckpt", "--every", 8, "--out", out)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert result["checkpoints"] == [] and result["resumed_from_step"] == 0
+    assert result["max_param_diff_vs_uninterrupted"] == 0.0
+    assert result["max_param_diff_resumed_without_rng_state"] is None
+    assert result["max_param_diff_resumed_with_ddp_buckets"] == 0.0   # one rank: no sums
