@@ -37,9 +37,12 @@ SRUN = textwrap.dedent('''\
 ''')
 SCONTROL = textwrap.dedent('''\
     #!/bin/sh
-    # stand-in scontrol: "show hostnames LIST" names this machine once per node
+    # stand-in scontrol: "show hostnames LIST" names this machine once per node. It
+    # writes the lines a moment apart, as a real one on a busy controller may: a script
+    # that reads only the first line and closes the pipe (`| head -n 1` under
+    # `set -o pipefail`) then dies of SIGPIPE every time instead of now and then.
     [ "$1 $2" = "show hostnames" ] || exit 2
-    for i in $(seq "$SLURM_NNODES"); do echo 127.0.0.1; done
+    for i in $(seq "$SLURM_NNODES"); do echo 127.0.0.1; sleep 0.2; done
 ''')
 
 
@@ -81,3 +84,17 @@ def test_a_script_without_a_lab_says_how_to_use_it(slurm_env):
     done = subprocess.run(["bash", str(REPO / "scripts" / "slurm" / "srun.sbatch")],
                           env=slurm_env, capture_output=True, text=True, timeout=30)
     assert done.returncode != 0 and "usage: sbatch srun.sbatch LAB" in done.stderr
+
+
+@pytest.mark.parametrize("script", ["torchrun.sbatch", "srun.sbatch"])
+def test_a_failing_scontrol_stops_the_script_before_srun(script, slurm_env, tmp_path):
+    # without a first host there is nowhere to rendezvous: the script must stop there,
+    # with scontrol's own error, rather than start ranks that would wait for a timeout
+    bin_dir = Path(slurm_env["PATH"].split(":")[0])
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho 'scontrol: error: no such job' >&2\n"
+                                      "exit 1\n")
+    (bin_dir / "srun").write_text("#!/bin/sh\necho srun ran\n")
+    done = subprocess.run(["bash", str(REPO / "scripts" / "slurm" / script), "ranks"],
+                          env=slurm_env, capture_output=True, text=True, timeout=30)
+    assert done.returncode != 0
+    assert "no such job" in done.stderr and "srun ran" not in done.stdout
