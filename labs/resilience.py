@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from labkit import distenv
 from labkit.strategies import TorchDDP
-from labkit.transformer import Shape, Transformer, add_shape_args, shape_from_args
+from labkit.transformer import Shape, Transformer, add_shape_args, random_batch, shape_from_args
 
 SHAPE = Shape(layers=2, hidden=32, heads=4, seq=16, vocab=64)
 BATCH = 4            # sequences per rank per step
@@ -94,15 +94,19 @@ def make(shape, args, env, per_parameter=True):
 
 def next_batch(shape, env):
     """This rank's next batch, drawn from the global generator: its state decides the data."""
-    ids = torch.randint(shape.vocab, (BATCH, shape.seq + 1)).to(env.device)
-    return ids[:, :-1], ids[:, 1:]
+    return random_batch(shape, BATCH, None, env.device)
+
+
+def train_state(model):
+    """The model's and the optimizer's state, as DCP saves and loads it."""
+    model_state, optim_state = get_state_dict(model.model, model.optimizer)
+    return {"model": model_state, "optim": optim_state}
 
 
 def save(model, step, directory, env):
     """A checkpoint of step `step`: DCP's shards, each rank's generator, then the marker."""
     path = directory / f"step-{step:06d}"
-    model_state, optim_state = get_state_dict(model.model, model.optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path))
+    dcp.save(train_state(model), checkpoint_id=str(path))
     torch.save(torch.get_rng_state(), path / f"rng-{env.rank}.pt")
     dist.barrier()   # every rank's part is on disk before the marker says so
     if env.is_rank0:
@@ -121,8 +125,7 @@ def load(model, directory, env, restore_rng=True):
         return 0
     saved = json.loads(marker.read_text())
     path = directory / saved["path"]
-    model_state, optim_state = get_state_dict(model.model, model.optimizer)
-    state = {"model": model_state, "optim": optim_state}
+    state = train_state(model)
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model.model, model.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
@@ -139,12 +142,12 @@ def resumed_with_ddp_buckets(shape, args, env, at_step):
     straight = make(shape, args, env, per_parameter=False)
     for step in range(args.steps):
         if step == at_step:
-            state = copy.deepcopy(get_state_dict(straight.model, straight.optimizer))
+            state = copy.deepcopy(train_state(straight))
             rng = torch.get_rng_state()
         straight.train_step(*next_batch(shape, env))
     restarted = make(shape, args, env, per_parameter=False)
-    set_state_dict(restarted.model, restarted.optimizer, model_state_dict=state[0],
-                   optim_state_dict=state[1])
+    set_state_dict(restarted.model, restarted.optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
     torch.set_rng_state(rng)
     for step in range(at_step, args.steps):
         restarted.train_step(*next_batch(shape, env))
@@ -155,8 +158,7 @@ def save_seconds(model, directory):
     """Seconds of one blocking dcp.save of the trained state, and {staging, total} of one
     dcp.async_save: that call returns once the state is copied aside, and training could
     go on while it is written (or an error, if it does not run here)."""
-    model_state, optim_state = get_state_dict(model.model, model.optimizer)
-    state = {"model": model_state, "optim": optim_state}
+    state = train_state(model)
     started = time.perf_counter()
     dcp.save(state, checkpoint_id=str(directory / "timed-blocking"))
     dist.barrier()

@@ -2,7 +2,6 @@
 timeouts, one-line errors."""
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ import yaml
 import ranks
 from conftest import assert_fails_with_one_line
 from labkit import distenv, launch
-from labkit.launch import LabError, reader_command, run_lab
+from labkit.launch import LabError, free_port, reader_command, run_lab
 
 
 @pytest.mark.parametrize("requested, local_ranks, gpus, backend", [
@@ -98,13 +97,6 @@ def test_out_is_written_atomically_by_a_world_of_one(script, tmp_path):
     assert done.returncode == 0, done.stderr
     assert json.loads(out.read_text())["world_size"] == 1
     assert [p.name for p in out.parent.iterdir()] == ["result.json"]  # no temp file left
-
-
-def free_port():
-    # Ask the OS for a port nobody uses (never a fixed one).
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_missing_peer_times_out_with_one_line(script):

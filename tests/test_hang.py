@@ -13,17 +13,15 @@ from labkit.launch import LabError, run_lab
 TIMEOUT = 2
 
 
-def failing(args, monkeypatch=None, detail=False):
+def failing(args, env=None):
     """Run the lab on 2 ranks, expecting it to fail; (its error text, seconds it took)."""
-    if detail:
-        monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
     started = time.monotonic()
     with pytest.raises(LabError) as error:
-        run_lab("hang", 2, [*args, "--timeout", TIMEOUT], echo=False)
+        run_lab("hang", 2, [*args, "--timeout", TIMEOUT], env=env, echo=False)
     return str(error.value) + error.value.output, time.monotonic() - started
 
 
-def test_a_skipped_collective_times_out_and_the_stacks_show_where(monkeypatch):
+def test_a_skipped_collective_times_out_and_the_stacks_show_where():
     said, took = failing(["--mode", "skip_collective", "--dump-stacks-after", 1])
     assert took < 60
     # the skip shifts every later all-reduce by one: the wait surfaces at a later step
@@ -33,15 +31,15 @@ def test_a_skipped_collective_times_out_and_the_stacks_show_where(monkeypatch):
     assert "most recent call first" in said and "step_collective" in said
 
 
-def test_a_sleeping_rank_is_given_up_on(monkeypatch):
+def test_a_sleeping_rank_is_given_up_on():
     said, took = failing(["--mode", "sleep"])
     assert took < 60 and "rank 0: the all-reduce of step 2 ended after" in said
 
 
-def test_a_wrong_shape_is_caught_and_detail_names_it(monkeypatch):
+def test_a_wrong_shape_is_caught_and_detail_names_it():
     said, _ = failing(["--mode", "wrong_shape"])
     assert "doesn't match expected size" in said            # gloo, after the fact
-    said, _ = failing(["--mode", "wrong_shape"], monkeypatch, detail=True)
+    said, _ = failing(["--mode", "wrong_shape"], env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
     assert "Detected mismatch between collectives" in said    # before anything is sent
     assert "TensorShape=[4]" in said and "TensorShape=[5]" in said
 

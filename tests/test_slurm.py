@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from labkit.launch import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 
 SRUN = textwrap.dedent('''\
@@ -53,13 +55,10 @@ def slurm_env(tmp_path):
     for name, text in (("srun", SRUN.format(python=sys.executable)), ("scontrol", SCONTROL)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     return dict(os.environ, PATH=f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
                 SLURM_JOB_NODELIST="node[1-2]", SLURM_NNODES="2", SLURM_JOB_ID="4242",
                 SLURM_GPUS_ON_NODE="1", SLURM_NTASKS_PER_NODE="1", SLURM_SUBMIT_DIR=str(REPO),
-                MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+                MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
 
 
 @pytest.mark.parametrize("script", ["torchrun.sbatch", "srun.sbatch"])

@@ -114,17 +114,21 @@ def run_lab(lab, nproc=1, args=(), *, nnodes=1, max_restarts=0, env=None,
         return json.loads(out.read_text())
 
 
+def free_port():
+    """A port on 127.0.0.1 that nothing uses now, from the OS (never a fixed one)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def _launchers(lab, nproc, nnodes):
     """The interpreter arguments before the script, one list per agent (node)."""
     if nproc is None:
         return [[]]
     if nnodes == 1:
         return [["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]]
-    with socket.socket() as probe:   # a port free now, for the rendezvous's store
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     agent = ["-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc_per_node={nproc}",
-             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
              f"--rdzv-id={lab}-{uuid.uuid4().hex[:8]}"]
     return [agent] * nnodes
 

@@ -110,7 +110,8 @@ def next_token_loss(logits, targets):
 
 
 def random_batch(shape, batch, generator, device):
-    """Token ids and next-token targets drawn at random: memory does not care what they say."""
+    """Token ids and next-token targets drawn at random: memory does not care what they say.
+    generator=None draws from torch's global generator."""
     ids = torch.randint(shape.vocab, (batch, shape.seq + 1), generator=generator)
     ids = ids.to(device)
     return ids[:, :-1], ids[:, 1:]
