@@ -164,10 +164,11 @@ def data_parallel_step_collectives(strategy, numel, microbatches=1, units=1):
 
 
 def tensor_parallel_collectives(layers, seq, batch, hidden, tp, sequence_parallel=False,
-                                f_backward=True, embedding=True, head=True):
+                                f_backward=True, embedding=True, head=True, microbatches=1,
+                                recompute=False):
     """[(op, elements of the full tensor)] one training step (forward, backward and the
     optimizer's step) of the course's transformer issues when it is split tp ways as in
-    Megatron-LM, its vocabulary included.
+    Megatron-LM, its vocabulary included, with `batch` sequences per micro-batch.
 
     Per layer, with activations of s*b*h elements:
       tensor parallel    forward: g after the attention's and after the MLP's row-parallel
@@ -186,20 +187,29 @@ def tensor_parallel_collectives(layers, seq, batch, hidden, tp, sequence_paralle
     exponentials and the target's logit, s*b elements each.
     A pipeline stage holds some of the layers, and the embedding only on the first stage
     (embedding=False elsewhere), the head and the loss only on the last (head=False).
+    With m micro-batches (gradient accumulation, or a pipeline's) all of it happens once per
+    micro-batch but the replicated gradients' all-reduce, once per step. Full activation
+    checkpointing (recompute=True) runs each layer's forward again before its backward, and
+    with it the layer's forward collectives: 2 all-reduces, or 2 all-gathers and 2
+    reduce-scatters, more per layer.
     """
     sbh, sb = seq * batch * hidden, seq * batch
+    replicated = []
     if not sequence_parallel:
-        per_layer = [("all_reduce", sbh)] * (4 if f_backward else 2)
+        forward = [("all_reduce", sbh)] * 2
+        per_layer = forward + [("all_reduce", sbh)] * (2 if f_backward else 0)
         outside = [("all_reduce", sbh)] * (embedding + (head and f_backward))
     else:
-        per_layer = [("all_gather", sbh), ("reduce_scatter", sbh)] * 2   # f and g, forward
-        per_layer += [("reduce_scatter", sbh), ("all_gather", sbh)] * 2  # their backward
+        forward = [("all_gather", sbh), ("reduce_scatter", sbh)] * 2     # f and g, forward
+        per_layer = forward + [("reduce_scatter", sbh), ("all_gather", sbh)] * 2  # backward
         per_layer += [("all_gather", sbh)] * 2                           # inputs again
         outside = [("reduce_scatter", sbh), ("all_gather", sbh)] * embedding
         outside += [("all_gather", sbh), ("reduce_scatter", sbh), ("all_gather", sbh)] * head
-        replicated = layers * 6 * hidden + seq * hidden * embedding + 2 * hidden * head
-        outside += [("all_reduce", replicated)] if replicated else []
-    return per_layer * layers + outside + [("all_reduce", sb)] * (3 * head)
+        numel = layers * 6 * hidden + seq * hidden * embedding + 2 * hidden * head
+        replicated = [("all_reduce", numel)] if numel else []
+    per_layer += forward if recompute else []
+    micro_batch = per_layer * layers + outside + [("all_reduce", sb)] * (3 * head)
+    return micro_batch * microbatches + replicated
 
 
 def torch_tensor_parallel_collectives(layers, seq, batch, hidden, tp, sequence_parallel=False):
@@ -353,3 +363,66 @@ def layer_boundaries_crossed(layers, devices, placement):
     if placement == "round_robin":
         return layers - 1
     raise ValueError(f"unknown placement {placement!r}")
+
+
+# Tensor parallelism, one transformer layer at a time: what a rank sends, and how that
+# compares with the layer's compute (the rule for when a larger t stops paying).
+
+def tensor_parallel_layer_values(seq, batch, hidden, tp, sequence_parallel=False,
+                                 regather_inputs=True, recompute=False):
+    """Values one rank sends for one transformer layer and one micro-batch, forward and
+    backward, under Megatron-LM's split with ring algorithms (activations of s*b*h values).
+    Exactly, as a Fraction; multiply by the bytes of a value (2 at 16 bits) for bytes.
+
+      tensor parallel    4 all-reduces (g twice in forward, f twice in backward):
+                         8 (t-1)/t sbh
+      sequence parallel  4 all-gathers and 4 reduce-scatters, the same 8 (t-1)/t sbh; with
+                         regather_inputs (Megatron-LM keeps only its 1/t of each
+                         column-parallel linear's input and gathers it again in backward)
+                         2 all-gathers more: 10 (t-1)/t sbh, 25 % more
+      recompute=True     full activation recomputation runs the forward again before the
+                         backward, its two g (and, sequence-parallel, its two f) with it:
+                         4 (t-1)/t sbh more, six all-reduces instead of four
+    The same per-layer count as tensor_parallel_collectives."""
+    units = 8 + (2 if sequence_parallel and regather_inputs else 0) + (4 if recompute else 0)
+    return Fraction(units * (tp - 1), tp) * seq * batch * hidden
+
+
+def layer_matmul_coefficient(hidden, heads, kv_heads=None, ffn_hidden=None, gated=False):
+    """c in the forward FLOPs c b s h^2 of one layer's weight multiplications (2 FLOPs per
+    weight per token): Q and the output projection 2 h^2 each, K and V 2 h^2 kv_heads/heads
+    each, the MLP 2 x (2 or, gated as SwiGLU, 3) x h x ffn_hidden. The defaults, multi-head
+    attention and a 4h GeLU MLP, give Narayanan et al.'s 24; Llama 3 70B (64 heads, 8
+    key-value heads, a SwiGLU MLP of 28,672) gives 25.5."""
+    kv_heads = heads if kv_heads is None else kv_heads
+    ffn_hidden = 4 * hidden if ffn_hidden is None else ffn_hidden
+    attention = 2 * (2 + 2 * Fraction(kv_heads, heads))
+    mlp = 2 * (3 if gated else 2) * Fraction(ffn_hidden, hidden)
+    return attention + mlp
+
+
+def tensor_parallel_comm_to_compute(tp, hidden, flops_per_s, bytes_per_s, value_bytes=2,
+                                    matmul_coefficient=24):
+    """Seconds of communication over seconds of compute for one layer under t-way tensor
+    parallelism, bandwidth terms only, nothing overlapped:
+
+        comm    = 8 (t-1)/t b s h values x value_bytes / beta
+        compute = 72 b s h^2 / t / R   (forward 24 b s h^2 in the weight multiplications,
+                                        backward twice that; attention's 4 b s^2 h left out)
+        ratio   = value_bytes (t-1) R / (9 h beta) = (2/9) (t-1) R / (h beta) at 16 bits
+
+    R is the rate the GPU reaches (peak x utilization), beta the bandwidth each rank sends
+    at. b and s cancel: the ratio depends on t, h and the machine only. It grows linearly
+    with t and falls as 1/h; latency (alpha) and attention's FLOPs, left out, push it up
+    and down respectively. Another layer shape (layer_matmul_coefficient c instead of 24)
+    scales the compute, and the ratio by 24/c: the communication, at the layer's
+    boundaries where the activations have h values per token, does not change."""
+    return (value_bytes * 8 * (tp - 1) * flops_per_s
+            / (3 * matmul_coefficient * hidden * bytes_per_s))
+
+
+def tensor_parallel_break_even_tp(hidden, flops_per_s, bytes_per_s, value_bytes=2):
+    """The t at which tensor_parallel_comm_to_compute reaches 1 (communication as long as
+    compute): 1 + 9 h beta / (value_bytes R). Past it, doubling t saves less compute than
+    it adds communication, unless the communication is hidden."""
+    return 1 + 9 * hidden * bytes_per_s / (value_bytes * flops_per_s)

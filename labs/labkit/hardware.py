@@ -19,3 +19,14 @@ NVLINK_LINE_RATE = 450e9       # bytes/s per direction per GPU
 NIC_LINE_RATE = 50e9           # bytes/s, 400 Gb/s
 H100_BF16_FLOPS = 989e12       # dense bf16 peak of the H100 SXM, FLOP/s
 UTILIZATION = 0.40             # model FLOPs utilization of well-tuned training
+
+# The DGX A100 servers of Selene, on which Narayanan et al. (2021, section 5) and Korthikanti
+# et al. (2022, section 6) measured: NVLink 3 inside the node, eight 200 Gb/s HDR InfiniBand
+# cards per node, one per GPU, between nodes. Line rates, to compare with the H100 box's.
+A100_NVLINK_LINE_RATE = 300e9  # bytes/s per direction per GPU: 600 GB/s both ways (A100 datasheet)
+HDR_NIC_LINE_RATE = 25e9       # bytes/s, 200 Gb/s
+A100_BF16_FLOPS = 312e12       # dense bf16 peak of the A100, FLOP/s (A100 datasheet)
+
+# Model FLOPs utilization published for H100 training: Llama 3 405B, Table 4 of Dubey et al.
+# (2024): 43 % on 8,192 GPUs, 41 % on 16,384, 38 % on 16,384 with 131,072-token sequences.
+LLAMA3_H100_MFU = (0.38, 0.43)
