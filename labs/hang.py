@@ -75,7 +75,7 @@ def guarded(what, collective, env):
         # DETAIL's fingerprints: keep the op, the shapes and the dtypes, not the options
         told = re.sub(r", TensorDeviceTypes=TensorOptions\(.*?\)\)\)", ")", told)[:600]
         distenv.fail(f"rank {env.rank}: {what} ended after "
-                     f"{time.perf_counter() - started:.1f} s: {told}")
+                     f"{time.perf_counter() - started:.1f} s: {told}", every_rank=True)
 
 
 def run(args, env):
@@ -108,6 +108,11 @@ def parse_args(argv=None):
 def main():
     args = parse_args()
     faulthandler.register(signal.SIGUSR1, all_threads=True)   # kill -USR1 PID: the stacks
+    # On NCCL a timed-out collective is otherwise found by the watchdog thread, which
+    # aborts the process (SIGABRT) before the rank can say what it was doing; with
+    # blocking wait, the all-reduce itself raises at --timeout and `guarded` reports it.
+    # (Read when the group is created; gloo ignores it.)
+    os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
     with distenv.initialize(args) as env:
         if args.mode != "none" and env.world_size < 2:
             distenv.fail("a rank can only fall out of step with another: run 2 or more")

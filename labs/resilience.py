@@ -241,7 +241,9 @@ def parse_args(argv=None):
 
 def main():
     args = parse_args()
-    with distenv.initialize(args) as env:
+    # dcp.async_save stages the state in CPU memory and saves it from there, which on NCCL
+    # needs a CPU backend in the group too ("cpu:gloo,cuda:nccl")
+    with distenv.initialize(args, cpu_group=True) as env:
         if args.fail_rank >= env.world_size:
             distenv.fail(f"--fail-rank {args.fail_rank} is not a rank of a world of "
                          f"{env.world_size}")

@@ -29,6 +29,52 @@ def test_choose_backend(requested, local_ranks, gpus, backend):
     assert (reason is not None) == (requested == "auto" and backend == "gloo")
 
 
+def test_ranks_are_counted_per_host_across_agents():
+    """Two agents on host a (3 ranks in all) and one on host b (2 ranks): each rank learns
+    how many ranks share its GPUs, and gets a slot of its own among them."""
+    import threading
+    store = torch.distributed.HashStore()
+    hosts = ["a:*", "a:*", "b:*", "a:*", "b:*"]
+    found = {}
+
+    def rank(r):
+        found[r] = distenv.count_ranks_on_host(store, len(hosts), hosts[r])
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(hosts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert [found[r][0] for r in range(len(hosts))] == [3, 3, 2, 3, 2]
+    assert sorted(found[r][1] for r in (0, 1, 3)) == [0, 1, 2]
+    assert sorted(found[r][1] for r in (2, 4)) == [0, 1]
+    # two agents of one rank each on a 1-GPU host: LOCAL_RANK 0 twice, NCCL would refuse
+    assert distenv.choose_backend("auto", 2, 1)[0] == "gloo"
+    # on an 8-GPU host they take a GPU each, by slot; an agent alone keeps LOCAL_RANK
+    assert distenv.choose_backend("auto", 2, 8)[0] == "nccl"
+    assert [distenv.gpu_index(0, 1, 2, slot) for slot in (0, 1)] == [0, 1]
+    assert distenv.gpu_index(3, 8, 8, 5) == 3
+
+
+def test_a_group_that_saves_asynchronously_gets_gloo_beside_nccl():
+    assert distenv.process_group_backend("nccl", cpu_group=True) == "cpu:gloo,cuda:nccl"
+    assert distenv.process_group_backend("nccl") == "nccl"
+    assert distenv.process_group_backend("gloo", cpu_group=True) == "gloo"
+
+
+def test_fp32_matmuls_are_ieee_in_a_labs_process(script, tmp_path, monkeypatch):
+    """An NGC container's TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 would make them TF32 (torch
+    reads it at import): the launcher hands the ranks 0, and the lab turns TF32 off."""
+    out = tmp_path / "ranks.json"
+    done = script("ranks", "--out", out, env_extra={"TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1"})
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert result["float32_matmul_precision"] == "highest"
+    assert result["cuda_matmul_allow_tf32"] is False and result["cudnn_allow_tf32"] is False
+    monkeypatch.setenv("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "1")
+    assert launch.lab_environment({})["TORCH_ALLOW_TF32_CUBLAS_OVERRIDE"] == "0"
+
+
 @pytest.mark.parametrize("local_ranks, gpus", [(1, 0), (4, 2)])
 def test_nccl_without_enough_gpus_is_a_clear_error(local_ranks, gpus):
     with pytest.raises(SystemExit) as error:
@@ -79,11 +125,15 @@ def test_env_reaches_the_lab_and_the_readers_command():
 
 
 def test_launcher_raises_with_the_labs_own_error():
-    # --rank 5 is not a rank of a world of 2: every rank exits with that line
+    # --rank 5 is not a rank of a world of 2: every rank exits, rank 0 alone says why
     with pytest.raises(LabError) as error:
         run_lab("hang", 2, ["--rank", 5], echo=False)
     assert error.value.returncode != 0
-    assert "--rank 5 is not a rank of a world of 2" in str(error.value)
+    line = "hang: error: --rank 5 is not a rank of a world of 2"
+    assert error.value.output.count(line) == 1, error.value.output
+    # the line heads the message, above torchrun's report and its ChildFailedError
+    heading = str(error.value).split("Its output")[0]
+    assert line in heading and "ChildFailedError" not in heading
 
 
 def test_launcher_rejects_an_unknown_lab():

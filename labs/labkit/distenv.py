@@ -23,7 +23,9 @@ import json
 import os
 import platform
 import re
+import socket
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -39,8 +41,23 @@ all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tens
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
+# A rank other than 0 that fails quietly waits up to this long before exiting: torchrun
+# stops every rank as soon as one exits, so a rank 1 that exited first (its import of torch
+# was faster) would have rank 0 killed before it printed the line. Waiting, it is stopped
+# once rank 0 has exited instead; the limit is for a rank 0 that did not fail.
+QUIET_EXIT_WAIT_S = 10.0
+
+
 class LabInputError(SystemExit):
-    """Bad input: the process exits non-zero with one clear line on stderr."""
+    """Bad input: the process exits with status 1; `fail` has printed the one line. str()
+    is that line, for code (and tests) that catch it in-process."""
+
+    def __init__(self, message):
+        super().__init__(1)   # an int code: Python exits with it and prints nothing more
+        self.message = message
+
+    def __str__(self):
+        return self.message
 
 
 def lab_name():
@@ -48,9 +65,24 @@ def lab_name():
     return Path(sys.argv[0]).stem or "lab"
 
 
-def fail(message):
-    """Exit with one line, `<lab>: error: <message>`, and a non-zero status."""
-    raise LabInputError(f"{lab_name()}: error: {message}")
+def fail(message, every_rank=None):
+    """Exit with one line, `<lab>: error: <message>`, and status 1.
+
+    Bad input is the same on every rank, so rank 0 alone prints it (N copies of one line,
+    then torchrun's report, would bury it) and the other ranks exit quietly with the same
+    status. A failure a rank met while running (called while handling a RuntimeError or an
+    OSError, e.g. a collective's timeout) is that rank's own: every rank prints its line.
+    every_rank=True/False says which, instead of guessing from the exception.
+    """
+    line = f"{lab_name()}: error: {message}"
+    if every_rank is None:
+        every_rank = isinstance(sys.exc_info()[1], (RuntimeError, OSError))
+    # printed here, before the `with initialize()` block's clean-up runs, not at exit
+    if every_rank or os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)
+    elif "WORLD_SIZE" in os.environ:
+        time.sleep(QUIET_EXIT_WAIT_S)
+    raise LabInputError(line)
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -150,27 +182,72 @@ def add_common_args(parser):
     return parser
 
 
-def choose_backend(requested, local_world_size, gpus_available):
+def choose_backend(requested, ranks_on_host, gpus_available):
     """Return (backend, reason). `reason` is None when nothing needs saying.
 
-    NCCL needs one GPU per local rank: it refuses two ranks on one GPU.
+    `ranks_on_host`: the ranks on this machine that see the same GPUs, from every torchrun
+    agent there (two agents on one host each count their ranks from 0). NCCL needs one GPU
+    per such rank: it refuses two ranks on one GPU ("Duplicate GPU detected").
     """
     if requested == "gloo":
         return "gloo", None
-    enough_gpus = gpus_available >= local_world_size
+    enough_gpus = gpus_available >= ranks_on_host
     if requested == "nccl":
         if gpus_available == 0:
             fail("--backend nccl needs CUDA GPUs, and none is available here; use --backend gloo")
         if not enough_gpus:
-            fail(f"--backend nccl needs one GPU per local rank: {local_world_size} ranks, "
+            fail(f"--backend nccl needs one GPU per rank on this host: {ranks_on_host} ranks, "
                  f"{gpus_available} GPUs; use --backend gloo or fewer processes")
         return "nccl", None
     if gpus_available == 0:
         return "gloo", "backend auto -> gloo on CPU: no CUDA GPU available"
     if not enough_gpus:
-        return "gloo", (f"backend auto -> gloo on CPU: {local_world_size} local ranks but only "
-                        f"{gpus_available} GPUs (NCCL needs one GPU per rank)")
+        return "gloo", (f"backend auto -> gloo on CPU: {ranks_on_host} ranks on this host but "
+                        f"only {gpus_available} GPUs (NCCL needs one GPU per rank)")
     return "nccl", None
+
+
+def gpu_index(local_rank, local_world_size, ranks_on_host, slot):
+    """The GPU a rank takes: its LOCAL_RANK when its agent is alone on the host; else its
+    `slot` on the host (0 .. ranks_on_host - 1), since several agents' LOCAL_RANKs repeat."""
+    return local_rank if ranks_on_host == local_world_size else slot
+
+
+def count_ranks_on_host(store, world_size, host_key):
+    """(ranks whose `host_key` is this rank's, this rank's slot among them), through the
+    rendezvous store: two adds, one wait and one get per rank, whatever the world size."""
+    slot = store.add(f"ranks-on/{host_key}", 1) - 1
+    # the last rank to arrive opens the gate: every host's count is final by then
+    if store.add("ranks-counted", 1) == world_size:
+        store.set("ranks-counted-all", "1")
+    store.wait(["ranks-counted-all"])
+    return store.add(f"ranks-on/{host_key}", 0), slot
+
+
+def host_key():
+    """This machine and the GPUs this process sees: ranks with the same key share GPUs."""
+    return f"{socket.gethostname()}:{os.environ.get('CUDA_VISIBLE_DEVICES', '*')}"
+
+
+def process_group_backend(backend, cpu_group=False):
+    """The backend string for init_process_group. cpu_group on NCCL adds gloo for CPU
+    tensors ("cpu:gloo,cuda:nccl"): what dcp.async_save's staged CPU copy needs."""
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" and cpu_group else backend
+
+
+def exact_fp32():
+    """fp32 matmuls and convolutions in IEEE fp32, not TF32: the labs compare results to
+    1e-5 and better, which TF32's 10-bit mantissa breaks. NGC containers set
+    TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1; torch reads it when it is imported, so the launcher
+    sets it to 0 for the ranks, and this turns TF32 off in a process that already read it.
+    Returns the settings in force, for the result's metadata."""
+    os.environ["TORCH_ALLOW_TF32_CUBLAS_OVERRIDE"] = "0"
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    return {"float32_matmul_precision": torch.get_float32_matmul_precision(),
+            "cuda_matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+            "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32}
 
 
 def hardware_description(device):
@@ -197,6 +274,7 @@ class DistEnv:
     device: torch.device
     simulated: bool = False  # rank 0 of a fake process group; the other ranks do not exist
     lab: str = dataclasses.field(default_factory=lab_name)
+    fp32: dict = dataclasses.field(default_factory=dict)   # exact_fp32()'s settings
 
     @property
     def is_rank0(self):
@@ -228,6 +306,7 @@ class DistEnv:
             "torch_version": torch.__version__,
             "nccl_version": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl,
             "python_version": platform.python_version(),
+            **self.fp32,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         }
@@ -290,11 +369,12 @@ def _init_fake_group(world_size, timeout):
 
 
 @contextlib.contextmanager
-def initialize(args, simulate_world_size=None):
+def initialize(args, simulate_world_size=None, cpu_group=False):
     """Create the process group for this process, yield a DistEnv, destroy it on exit.
 
     With `simulate_world_size` N, this one process is rank 0 of a world of N through the
     fake process group (collectives are no-ops): for measuring what one rank holds.
+    With `cpu_group`, an NCCL group also gets gloo for CPU tensors (process_group_backend).
     """
     under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if simulate_world_size is not None:
@@ -306,44 +386,51 @@ def initialize(args, simulate_world_size=None):
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    fp32 = exact_fp32()
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    backend, reason = choose_backend(args.backend, local_world_size, gpus)
-    if reason and rank == 0 and simulate_world_size is None:
-        print(reason, flush=True)
-    if backend == "nccl":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-
     timeout = datetime.timedelta(seconds=args.timeout)
+    store, ranks_on_host, slot = None, local_world_size, local_rank
     try:
+        if under_launcher and simulate_world_size is None:
+            # torchrun's store (or MASTER_ADDR/MASTER_PORT). Each attempt keeps its keys
+            # under its own prefix: a group that torchrun started again would otherwise
+            # find the attempt before's keys (the peers' old addresses, which gloo would
+            # try to reach) in the agent's store.
+            store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+            store = dist.PrefixStore(
+                f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+            if args.backend != "gloo" and gpus:
+                # Another agent on this host numbers its ranks from 0 too: count them all
+                # before giving each a GPU (only where NCCL is possible; costs milliseconds).
+                ranks_on_host, slot = count_ranks_on_host(store, world_size, host_key())
+        backend, reason = choose_backend(args.backend, ranks_on_host, gpus)
+        if reason and rank == 0 and simulate_world_size is None:
+            print(reason, flush=True)
+        if backend == "nccl":
+            device = torch.device("cuda", gpu_index(local_rank, local_world_size,
+                                                    ranks_on_host, slot))
+            torch.cuda.set_device(device)   # before the group: NCCL binds to this GPU
+        else:
+            device = torch.device("cpu")
         if simulate_world_size is not None:
             _init_fake_group(simulate_world_size, timeout)
             backend, world_size = "fake", simulate_world_size
-        elif under_launcher and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-            # A group that torchrun started again finds the keys of the attempt before in
-            # the agent's store (the peers' old addresses, which gloo would try to reach):
-            # each attempt keeps its keys under its own prefix.
-            store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
-            store = dist.PrefixStore(f"attempt-{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                    timeout=timeout)
-        elif under_launcher:
-            # torchrun has set MASTER_ADDR/MASTER_PORT (or its own store): use them.
-            dist.init_process_group(backend, timeout=timeout)
+        elif store is not None:
+            dist.init_process_group(process_group_backend(backend, cpu_group), store=store,
+                                    rank=rank, world_size=world_size, timeout=timeout)
         else:
             # A world of one needs no rendezvous at all: an in-process store, no port.
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+            dist.init_process_group(process_group_backend(backend, cpu_group),
+                                    store=dist.HashStore(), rank=0, world_size=1,
                                     timeout=timeout)
     except dist.DistStoreError as error:
         first_line = str(error).strip().splitlines()[0]
         fail(f"rank {rank}: the process group of {world_size} did not form within "
-             f"--timeout {args.timeout:g} s ({first_line})")
+             f"--timeout {args.timeout:g} s ({first_line})", every_rank=True)
     torch.manual_seed(args.seed)
     env = DistEnv(rank, world_size, local_rank, local_world_size, backend, device,
-                  simulated=simulate_world_size is not None)
+                  simulated=simulate_world_size is not None, fp32=fp32)
     try:
         yield env
     finally:

@@ -101,17 +101,26 @@ def run_lab(lab, nproc=1, args=(), *, nnodes=1, max_restarts=0, env=None,
         restarts = [f"--max-restarts={max_restarts}"] if max_restarts else []
         commands = [[sys.executable, *launcher, *restarts, str(script), *args, "--out", str(out)]
                     for launcher in _launchers(lab, nproc, nnodes)]
-        run_env = dict(os.environ, PYTHONUNBUFFERED="1", **extra_env)
-        # Without it torchrun prints a banner and sets 1 itself; with N ranks on few
-        # cores, one thread per rank is also what keeps them from fighting.
-        run_env.setdefault("OMP_NUM_THREADS", "1")
-        returncode, lines = _run_streaming(commands, run_env, timeout, echo)
+        returncode, lines = _run_streaming(commands, lab_environment(extra_env), timeout, echo)
         if returncode != 0:
             raise LabError(_failure_message(lab, nproc, returncode, lines),
                            returncode, "".join(lines))
         if not out.is_file():
             raise LabError(f"lab {lab} exited 0 but wrote no result to --out", 0, "".join(lines))
         return json.loads(out.read_text())
+
+
+def lab_environment(extra_env):
+    """The environment the lab's processes get: this one, with `extra_env` on top."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # NGC containers set it to 1, which makes every fp32 matmul TF32 and breaks the labs'
+    # 1e-5 comparisons; torch reads it once, at import, before a lab could undo it.
+    env["TORCH_ALLOW_TF32_CUBLAS_OVERRIDE"] = "0"
+    env.update(extra_env)
+    # Without it torchrun prints a banner and sets 1 itself; with N ranks on few
+    # cores, one thread per rank is also what keeps them from fighting.
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
 
 
 def free_port():
