@@ -29,6 +29,7 @@ operation, median), ring_busbw_gbps, library_busbw_gbps, ...}], alpha_s, beta_by
 (fitted to the library).
 """
 
+import itertools
 import statistics
 
 import torch
@@ -93,18 +94,36 @@ def run_ring(flat, steps, segment_bytes=SEGMENT_BYTES):
         start, end = bounds[chunk]
         return [(a, min(a + grain, end)) for a in range(start, end, grain)]
 
+    # Each segment's send and receive go out as one batch (batch_isend_irecv): on NCCL a
+    # batch is one group call over the whole group's communicator, so at N = 2 the send to
+    # and the receive from the one peer cannot block each other, and no lazily created
+    # two-rank communicators wait on each other round the ring. On gloo it is the same
+    # isend and irecv as before.
     sends, pending, sent = [], None, 0  # pending: the previous step's receives, not yet done
     for index, (phase, send_chunk, recv_chunk) in enumerate(steps):
-        # Post this step's receives first; messages from `prev` match them in order.
         incoming = scratch[index % 2] if phase == "reduce-scatter" else flat
         offset = bounds[recv_chunk][0] if phase == "reduce-scatter" else 0
-        receives = [(a, b, dist.irecv(incoming[a - offset:b - offset], prev))
-                    for a, b in segments(recv_chunk)]
         finish = _finisher(pending, flat, scratch)
-        for a, b in segments(send_chunk):
-            finish(a, b)  # the step before must have delivered this segment
-            sends.append(dist.isend(flat[a:b], nxt))
-            sent += b - a
+        receives = []
+        # the two chunks' segment counts can differ by one (chunks differ by an element)
+        for outgoing, arriving in itertools.zip_longest(segments(send_chunk),
+                                                        segments(recv_chunk)):
+            ops = []
+            if outgoing is not None:
+                a, b = outgoing
+                finish(a, b)  # the step before must have delivered this segment
+                ops.append(dist.P2POp(dist.isend, flat[a:b], nxt))
+                sent += b - a
+            if arriving is not None:
+                a, b = arriving
+                ops.append(dist.P2POp(dist.irecv, incoming[a - offset:b - offset], prev))
+            works = dist.batch_isend_irecv(ops)
+            # gloo returns one work per op (the receive's last), NCCL one for the batch
+            mine = works[-1:] if len(works) == len(ops) else works
+            if arriving is not None:
+                receives.append((*arriving, mine))
+            if outgoing is not None:
+                sends.extend(works[:1] if len(works) == len(ops) else works)
         finish(None, None)  # whatever of the step before is left (a chunk one longer)
         pending = (phase, index, offset, receives)
     _finisher(pending, flat, scratch)(None, None)
@@ -123,8 +142,9 @@ def _finisher(pending, flat, scratch):
 
     def finish(a, b):
         while queue and (a is None or queue[0][0] <= a):
-            start, end, work = queue.pop(0)
-            work.wait()
+            start, end, works = queue.pop(0)
+            for work in works:
+                work.wait()
             if phase == "reduce-scatter":
                 flat[start:end] += scratch[index % 2][start - offset:end - offset]
 

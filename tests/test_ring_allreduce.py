@@ -20,6 +20,17 @@ def test_ring_matches_library_and_counted_bytes_match_predicted(n):
         assert len(check["bytes_sent_by_rank"]) == n
 
 
+def test_many_segments_of_unequal_counts_pair_up_in_their_batches():
+    """With 3-element segments, 1001 elements at N = 3 give chunks of 334, 334 and 333: a
+    step sends 112 segments and receives 111, or the other way round, each send paired
+    with a receive in one batch_isend_irecv and the extra one alone."""
+    result = run_lab("ring_allreduce", 3, ["--numel", "7,1001", "--segment-bytes", 12],
+                     echo=False)
+    for check in result["correctness"]:
+        assert check["max_abs_err"] <= 1e-5, check
+        assert check["bytes_sent_by_rank"] == check["predicted_bytes_by_rank"]
+
+
 @pytest.mark.parametrize("args, words", [
     (["--numel", 0], "--numel must be at least 1"),
     (["--numel", "5,0"], "--numel must be at least 1"),
