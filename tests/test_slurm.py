@@ -7,6 +7,7 @@ the first host, the ranks, and the environment each variant must set up."""
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -39,10 +40,13 @@ SRUN = textwrap.dedent('''\
 ''')
 SCONTROL = textwrap.dedent('''\
     #!/bin/sh
-    # stand-in scontrol: "show hostnames LIST" names this machine once per node. It
-    # writes the lines a moment apart, as a real one on a busy controller may: a script
-    # that reads only the first line and closes the pipe (`| head -n 1` under
-    # `set -o pipefail`) then dies of SIGPIPE every time instead of now and then.
+    # stand-in scontrol: "show hostnames LIST" names this machine once per node. A real
+    # one expands the list itself (no controller involved) and writes its names through
+    # the C library's buffer, a few kilobytes at a time: a script that keeps the first
+    # line with `| head -n 1` under `set -o pipefail` dies of SIGPIPE only when scontrol
+    # still writes after head has exited, that is with a list longer than one buffer
+    # (hundreds of nodes). This one writes each name on its own, a moment apart, so that
+    # such a script dies every time, with two nodes.
     [ "$1 $2" = "show hostnames" ] || exit 2
     for i in $(seq "$SLURM_NNODES"); do echo 127.0.0.1; sleep 0.2; done
 ''')
@@ -97,3 +101,43 @@ def test_a_failing_scontrol_stops_the_script_before_srun(script, slurm_env, tmp_
                           env=slurm_env, capture_output=True, text=True, timeout=30)
     assert done.returncode != 0
     assert "no such job" in done.stderr and "srun ran" not in done.stdout
+
+
+def launched_port(script, slurm_env, job_id):
+    """The port a script would give the rendezvous (torchrun.sbatch) or rank 0's store
+    (srun.sbatch) for SLURM job `job_id`, read from a stand-in srun that only reports
+    what it was given: nothing listens, nothing is bound."""
+    bin_dir = Path(slurm_env["PATH"].split(":")[0])
+    (bin_dir / "srun").write_text('#!/bin/sh\necho "MASTER_PORT=$MASTER_PORT $*"\n')
+    env = {k: v for k, v in slurm_env.items() if k != "MASTER_PORT"}
+    env.update(SLURM_JOB_ID=str(job_id), SLURM_NNODES="1", SLURM_JOB_NODELIST="node1")
+    done = subprocess.run(["bash", str(REPO / "scripts" / "slurm" / script), "ranks"],
+                          env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stdout + done.stderr
+    pattern = r"--rdzv-endpoint=\S+:(\d+)" if script == "torchrun.sbatch" else r"MASTER_PORT=(\d+)"
+    return int(re.search(pattern, done.stdout).group(1))
+
+
+def test_each_job_gets_its_own_port_below_the_ephemeral_range(slurm_env):
+    # ids 1, 1000 and 10000 apart, and a large one: jobs 1000 apart must not collide (as
+    # 29500 + id % 1000 would make them); every port stays in 20000-32767, below Linux's
+    # default ephemeral range (32768-60999), and both scripts agree
+    ids = [4242, 4243, 5242, 14242, 98_765_432]
+    ports = {script: [launched_port(script, slurm_env, i) for i in ids]
+             for script in ("torchrun.sbatch", "srun.sbatch")}
+    assert ports["torchrun.sbatch"] == ports["srun.sbatch"]
+    assert len(set(ports["srun.sbatch"])) == len(ids)
+    assert all(20000 <= port < 32768 for port in ports["srun.sbatch"])
+    assert ports["srun.sbatch"][0] == 20000 + 4242 % 12768
+
+
+def test_master_port_overrides_the_derived_port(slurm_env):
+    bin_dir = Path(slurm_env["PATH"].split(":")[0])
+    (bin_dir / "srun").write_text('#!/bin/sh\necho "MASTER_PORT=$MASTER_PORT $*"\n')
+    for script, pattern in (("torchrun.sbatch", r"--rdzv-endpoint=\S+:(\d+)"),
+                            ("srun.sbatch", r"MASTER_PORT=(\d+)")):
+        done = subprocess.run(["bash", str(REPO / "scripts" / "slurm" / script), "ranks"],
+                              env=dict(slurm_env, SLURM_NNODES="1", SLURM_JOB_NODELIST="node1"),
+                              capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert re.search(pattern, done.stdout).group(1) == slurm_env["MASTER_PORT"]
