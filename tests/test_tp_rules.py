@@ -59,3 +59,14 @@ def test_layer_matmul_coefficient():
     assert comm_model.tensor_parallel_comm_to_compute(
         8, H, rate, beta, matmul_coefficient=llama3_70b) == pytest.approx(
         comm_model.tensor_parallel_comm_to_compute(8, H, rate, beta) * 24 / 25.5)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_recompute_adds_the_forward_collectives_in_the_step_plan_too(sequence_parallel):
+    t, sbh = 4, S * B * H
+    plan = comm_model.tensor_parallel_collectives(1, S, B, H, t, sequence_parallel,
+                                                  embedding=False, head=False, recompute=True)
+    per_layer = [item for item in plan if item[1] == sbh]
+    sent, _ = comm_model.collectives_summary(per_layer, t, value_bytes=1)
+    assert sent == comm_model.tensor_parallel_layer_values(
+        S, B, H, t, sequence_parallel=sequence_parallel, recompute=True)
