@@ -51,7 +51,7 @@ FULL_EXPORT = "full_model.pt"
 
 def sharded_model(env, seed):
     torch.manual_seed(seed)   # the same initial weights at every world size
-    model = apply_fsdp(Transformer(SETUP.shape).to(env.device))
+    model = apply_fsdp(Transformer(SETUP.shape).to(env.device), env.device)
     return model, SETUP.optimizer(model.parameters())
 
 

@@ -182,8 +182,8 @@ def counting_ddp(model, env):
 
 
 class TorchFSDP2:
-    def __init__(self, model):
-        self.model = apply_fsdp(model)
+    def __init__(self, model, device):
+        self.model = apply_fsdp(model, device)
         self.optimizer = SETUP.optimizer(self.model.parameters())
 
     def train_step(self, ids, targets):
@@ -246,7 +246,7 @@ def run(args, env):
     initial = Transformer(SETUP.shape).to(env.device)
     ddp, ddp_counter = counting_ddp(copy.deepcopy(initial), env)
     zero3 = ScratchZero3(copy.deepcopy(initial), env)
-    fsdp2 = TorchFSDP2(copy.deepcopy(initial))
+    fsdp2 = TorchFSDP2(copy.deepcopy(initial), env.device)
     counters = {"ddp": ddp_counter, "zero3": zero3.counter}
     timelines = {"ddp": Timeline(ddp.model.module.units(), ddp.tensors),
                  "zero3": Timeline(zero3.model.units(), zero3.tensors)}

@@ -91,7 +91,7 @@ def wrap(model, strategy, env, optimizer_name):
         return wrapped, ZeroRedundancyOptimizer(wrapped.parameters(),
                                                 optimizer_class=optimizer_class, **options)
     # FSDP2, one unit per embedding, block and head
-    model = apply_fsdp(model, reshard_after_forward=strategy == "zero3")
+    model = apply_fsdp(model, env.device, reshard_after_forward=strategy == "zero3")
     return model, optimizer_class(model.parameters(), **options)
 
 

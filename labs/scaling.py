@@ -33,7 +33,8 @@ Launch lines (from the repository root):
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
              --rdzv-id=scaling labs/scaling.py --strategy ddp --scaling weak --out s16.json
 
-JSON: alpha_s, beta_bytes_per_s, param_count, and `runs`, one per (strategy, scaling):
+JSON: alpha_s, beta_bytes_per_s (null, and link_fit_error says why, when all-reduce times do
+not grow with size, as on NVLink at these sizes; predictions are then null), param_count, and `runs`, one per (strategy, scaling):
 [{strategy, scaling, step_time_s, step_time_spread_s (upper minus lower quartile),
 step_time_quartiles_s, samples_per_s, compute_time_s (and forward_, backward_,
 optimizer_time_s), comm_time_s, predicted_step_time_s, predicted_comm_time_s,
@@ -98,22 +99,30 @@ def time_collectives(plan, env, repeats, warmup):
 
 
 def fit_link(env, repeats):
-    """alpha and beta of this machine's all-reduce at this world size (None at N = 1)."""
+    """(alpha, beta, why not): alpha and beta of this machine's all-reduce at this world
+    size, or None and None with the reason (None at N = 1, where nothing is sent)."""
     if env.world_size == 1:
-        return None, None
+        return None, None, None
     times = []
     for size in SWEEP_BYTES:
         buffer = torch.zeros(size // 4, device=env.device)
         runs = [timing.timed(env.device, lambda: dist.all_reduce(buffer))
                 for _ in range(WARMUP + repeats)]
         times.append(statistics.median(runs[WARMUP:]))
-    return comm_model.fit_alpha_beta(list(SWEEP_BYTES), times, env.world_size)
+    try:
+        return (*comm_model.fit_alpha_beta(list(SWEEP_BYTES), times, env.world_size), None)
+    except ValueError as error:
+        # On NVLink an all-reduce of these sizes takes about the same few microseconds
+        # whatever its size: no bandwidth to fit. The lab still measures; it predicts nothing.
+        return None, None, str(error)
 
 
 def predicted_comm(plan, world_size, alpha, beta):
-    """Alpha-beta seconds of each collective in `plan`."""
+    """Alpha-beta seconds of each collective in `plan` (None when no link was fitted)."""
     if world_size == 1:
         return [0.0] * len(plan)
+    if alpha is None:
+        return None
     return [comm_model.allreduce_time(b, world_size, alpha, beta) if op == "all_reduce" else
             time_model.shard_collective_time(b, world_size, alpha, beta) for op, b in plan]
 
@@ -128,7 +137,7 @@ def measure(strategy, scaling, args, env, link):
     plan = collectives(model, strategy, env.world_size)
 
     # 1. the step itself
-    wrapped = apply_ddp(model, env.device) if strategy == "ddp" else apply_fsdp(model)
+    wrapped = apply_ddp(model, env.device) if strategy == "ddp" else apply_fsdp(model, env.device)
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=LEARNING_RATE)
     steps = [timing.timed(env.device, lambda: train_step(wrapped, optimizer, ids, targets))
              for _ in range(args.warmup + args.steps)][args.warmup:]
@@ -143,10 +152,10 @@ def measure(strategy, scaling, args, env, link):
 
     # 3. the model
     overlap = strategy == "ddp" and env.device.type == "cuda"
-    comm_each = predicted_comm(plan, env.world_size, *link)
-    predicted = time_model.step_time(compute["forward_s"], compute["backward_s"],
-                                     [b for _, b in plan], comm_each, overlap,
-                                     compute["optimizer_s"])
+    comm_each = predicted_comm(plan, env.world_size, *link[:2])
+    predicted = None if comm_each is None else time_model.step_time(
+        compute["forward_s"], compute["backward_s"], [b for _, b in plan], comm_each, overlap,
+        compute["optimizer_s"])
     return {
         "strategy": strategy, "scaling": scaling,
         "batch_per_rank": batch_per_rank, "global_batch": batch_per_rank * env.world_size,
@@ -156,7 +165,7 @@ def measure(strategy, scaling, args, env, link):
         "compute_time_s": sum(compute.values()),
         **{f"{phase[:-2]}_time_s": seconds for phase, seconds in compute.items()},
         "comm_time_s": comm,
-        "predicted_comm_time_s": sum(comm_each),
+        "predicted_comm_time_s": None if comm_each is None else sum(comm_each),
         "predicted_step_time_s": predicted,
         "model_overlap": overlap,
         "collectives": [{"op": op, "bytes": b} for op, b in plan],
@@ -190,6 +199,8 @@ def main():
         check_batch(args, env.world_size)
         env.print0(f"world size {env.world_size} ({env.backend})")
         link = fit_link(env, args.steps)
+        if link[2] is not None:
+            env.print0(f"no alpha-beta fit, so no predicted times: {link[2]}")
         runs = []
         for strategy in args.strategy:
             for scaling in args.scaling:
@@ -203,12 +214,13 @@ def main():
                            f"per rank:")
                 env.print0(f"  step {run['step_time_s'] * 1e3:.2f} ms (IQR "
                            f"{run['step_time_spread_s'] * 1e3:.2f}), "
-                           f"{run['samples_per_s']:.1f} samples/s, predicted "
-                           f"{run['predicted_step_time_s'] * 1e3:.2f} ms")
+                           f"{run['samples_per_s']:.1f} samples/s"
+                           + ("" if run["predicted_step_time_s"] is None else
+                              f", predicted {run['predicted_step_time_s'] * 1e3:.2f} ms"))
                 env.print0(f"  compute alone {run['compute_time_s'] * 1e3:.2f} ms, "
                            f"communication alone {run['comm_time_s'] * 1e3:.2f} ms")
         env.write_result(args, {
-            "alpha_s": link[0], "beta_bytes_per_s": link[1],
+            "alpha_s": link[0], "beta_bytes_per_s": link[1], "link_fit_error": link[2],
             "param_count": sum(p.numel() for p in Transformer(SHAPE).parameters()),
             "runs": runs})
 

@@ -36,3 +36,24 @@ def test_regrouped_rows_give_torchs_block_split_whole_heads():
             assert torch.equal(rows, original[qkv_rows_of_rank(12, 6, rank, t)])
         restored = torch.empty_like(original).index_copy_(0, order, block.qkv.weight.detach())
         assert torch.equal(restored, original)
+
+
+def test_fsdp_shards_on_the_labs_device_when_cuda_is_there_too(monkeypatch):
+    """On a GPU box that fell back to gloo, FSDP2's own default mesh would be CUDA (it asks
+    torch for the accelerator) and move every shard to cuda:0: apply_fsdp names the mesh,
+    on the lab's device type. CUDA is faked here; a CUDA mesh would fail on this torch."""
+    import torch.distributed as dist
+    from labkit.transformer import Shape, Transformer
+    from labkit.strategies import apply_fsdp
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch._C, "_get_accelerator", lambda: torch.device("cuda"))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = apply_fsdp(Transformer(Shape(layers=1, hidden=8, heads=2, seq=4, vocab=11)),
+                           torch.device("cpu"))
+        params = list(model.parameters())
+        assert params and all(p.device.type == "cpu" for p in params)
+        assert {p.device_mesh.device_type for p in params} == {"cpu"}
+    finally:
+        dist.destroy_process_group()

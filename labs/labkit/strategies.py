@@ -2,6 +2,7 @@
 pattern of torchtitan's parallelize_* functions).
 
   apply_ddp       DistributedDataParallel, on the rank's own GPU when there is one
+  world_mesh      the 1-D device mesh of the whole world, on the lab's device type
   apply_fsdp      FSDP2: fully_shard on every unit (embedding, each block, head), then the root
   apply_fsdp_unit FSDP2 on one module as one unit, over a given mesh (a pipeline stage)
   apply_tp        torch's tensor parallelism (DTensor) on every block, with or without
@@ -41,21 +42,32 @@ def apply_ddp(model, device, comm_hook=None, hook_state=None, **options):
     return wrapped
 
 
-def apply_fsdp(model, reshard_after_forward=True, **options):
+def world_mesh(device):
+    """A 1-D DeviceMesh of the whole world on `device`'s type. FSDP2 and DTensor need one
+    named explicitly: without it they build theirs on CUDA whenever CUDA is available,
+    which on a GPU box that fell back to gloo puts every shard on cuda:0."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh(device.type, (dist.get_world_size(),))
+
+
+def apply_fsdp(model, device, reshard_after_forward=True, mesh=None, **options):
     """FSDP2 on each of `model.units()`, then on the root, which then holds no parameters
-    of its own. reshard_after_forward=True frees a unit's gathered parameters after its
-    forward (ZeRO-3); False keeps them until its backward (ZeRO-2's memory). Returns the
-    model, whose parameters are now DTensor shards: build the optimizer after this."""
+    of its own, over `mesh` (default: world_mesh(device)). reshard_after_forward=True frees
+    a unit's gathered parameters after its forward (ZeRO-3); False keeps them until its
+    backward (ZeRO-2's memory). Returns the model, whose parameters are now DTensor
+    shards: build the optimizer after this."""
     from torch.distributed.fsdp import fully_shard   # here: importing it costs ~1 s a process
+    mesh = mesh if mesh is not None else world_mesh(device)
     for unit in model.units():
-        fully_shard(unit, reshard_after_forward=reshard_after_forward, **options)
-    fully_shard(model, reshard_after_forward=reshard_after_forward, **options)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, **options)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, **options)
     return model
 
 
-def apply_fsdp_unit(module, mesh=None, reshard_after_forward=True):
+def apply_fsdp_unit(module, mesh, reshard_after_forward=True):
     """FSDP2 on `module` as one unit, over `mesh` (a 1-D DeviceMesh: the data-parallel
-    dimension of a larger mesh; None is the whole world): one all-gather of all its
+    dimension of a larger mesh, or world_mesh(device)): one all-gather of all its
     parameters before its forward and its backward, one reduce-scatter after. A pipeline
     stage, whose layers run together, is such a unit. Build the optimizer after this."""
     from torch.distributed.fsdp import fully_shard
