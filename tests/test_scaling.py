@@ -3,7 +3,10 @@ from the parts it reports, for DDP and FSDP, strong and weak. The chapter runs N
 3 and checks part of this on each; here the whole of it on one rank, the collectives of a
 step, and bad input."""
 
+import types
+
 import pytest
+import torch
 
 import scaling
 from conftest import assert_fails_with_one_line, assert_refused
@@ -101,3 +104,13 @@ def test_bad_input_is_refused_in_one_line(args, words):
 
 def test_bad_input_exits_with_one_clear_line(script):
     assert_fails_with_one_line(script("scaling", "--strategy", "zero"), "invalid choice: 'zero'")
+
+
+def test_flat_allreduce_times_give_no_fit_and_no_prediction(monkeypatch):
+    """On NVLink small all-reduces take the same few microseconds whatever their size: the
+    fit fails, and the lab says why instead of dying with the fitter's exception."""
+    monkeypatch.setattr(scaling.timing, "timed", lambda device, operation: 5e-6)
+    env = types.SimpleNamespace(world_size=8, device=torch.device("cpu"))
+    alpha, beta, why = scaling.fit_link(env, 3)
+    assert alpha is None and beta is None and "do not grow" in why
+    assert scaling.predicted_comm([("all_reduce", 1 << 20)], 8, alpha, beta) is None
