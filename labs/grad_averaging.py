@@ -220,8 +220,6 @@ def main():
     args = parse_args()
     with distenv.initialize(args) as env:
         check_sizes(env, args)
-        if env.device.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 here
         dataset = make_dataset(args.samples, args.seed)
         variants, by_step = {}, {}
         env.print0(f"world size {env.world_size}, backend {env.backend}, B={args.batch_per_rank}, "

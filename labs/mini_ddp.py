@@ -77,6 +77,10 @@ class Link:
 
     def _transfer(self, tensor, future):
         try:
+            if tensor.is_cuda:
+                # a thread starts on cuda:0 whatever the main thread chose: NCCL calls
+                # made from it must run on the rank's own GPU
+                torch.cuda.set_device(tensor.device)
             size = tensor.numel() * tensor.element_size()
             time.sleep(time_model.delay_s(size, self.world_size, self.ns_per_byte))
             dist.all_reduce(tensor)
