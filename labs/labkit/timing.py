@@ -12,6 +12,9 @@ import torch.distributed as dist
 
 def timed(device, operation):
     """Seconds `operation()` took on the slowest rank."""
+    if device.type == "cuda":
+        # work queued before (a warm-up, a copy of the input) must not run on our clock
+        torch.cuda.synchronize(device)
     dist.barrier()
     start = time.perf_counter()
     operation()
