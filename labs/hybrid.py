@@ -181,9 +181,9 @@ def run(args, env):
                                                 for dim in mesh.DIMENSIONS})
         with counting if step == 0 else contextlib.nullcontext():
             run_schedule(piece, order, stage, args.pp, ids.chunk(m), targets.chunk(m), loss_fn,
-                         clock=OpClock(hide_modes=False), prev_rank=env.rank - args.tp,
-                         next_rank=env.rank + args.tp, activation_shape=(micro, shape.seq,
-                                                                         shape.hidden),
+                         clock=OpClock(hide_modes=False, device=env.device),
+                         prev_rank=env.rank - args.tp, next_rank=env.rank + args.tp,
+                         activation_shape=(micro, shape.seq, shape.hidden),
                          device=env.device, timeout_s=args.timeout, group=groups["pp"])
             if args.data_parallel == "ddp":
                 allreduce_gradients(piece.parameters(), groups["dp"], average=True)

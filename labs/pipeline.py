@@ -33,21 +33,31 @@ Launch lines (from the repository root):
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
              --rdzv-id=pp labs/pipeline.py --layers 16 --out pp16.json
 
-JSON: `pp`, `shape`, `batch`, `compute_ms`; `schedules` {name: {max_param_diff,
-expected_equal, step_time_s, bubble_fraction (idle time over p x step time, from the
-timeline), predicted_bubble_fraction, peak_microbatches_in_flight and
-predicted_peak_microbatches_in_flight (one per stage), p2p_bytes_per_rank and
-predicted_p2p_bytes_per_rank (one per rank), ops_over_compute_ms}} for the first
---microbatches value, and `timeline` {name: [{stage, op, microbatch, chunk, start_s,
-end_s}]} of its last step, gathered from every rank; `sweep` [{microbatches, batch,
-schedules, skipped}] for every value, `skipped` saying why a torch schedule did not run
-(its 1F1B schedule needs m >= p; its interleaved one an m that its m // p rounds divide). P2P bytes are counted over the second step (torch's
+JSON: `pp`, `shape`, `batch`, `compute_ms`, `handoff_latency_samples_s`; `schedules`
+{name: {max_param_diff, expected_equal, step_time_s, bubble_fraction (idle time over p x
+step time, from the timeline), predicted_bubble_fraction (the textbook formula),
+handoff_latency_s and handoff_latency_range_s (the median, smallest and largest of this
+launch's handoff samples), predicted_bubble_fraction_with_handoff (the step's critical
+path through its ops as they ran, joined by the median handoff) and
+predicted_bubble_fraction_with_handoff_range (by the smallest and largest),
+peak_microbatches_in_flight and predicted_peak_microbatches_in_flight (one per stage),
+p2p_bytes_per_rank and predicted_p2p_bytes_per_rank (one per rank),
+ops_over_compute_ms}} for the first --microbatches value, and `timeline` {name: [{stage,
+op, microbatch, chunk, start_s, end_s, wait_s}]} of its last step, gathered from every
+rank (wait_s: when the stage waited for the op's input, for the from-scratch schedules);
+`sweep` [{microbatches, batch, schedules, skipped}] for every value, `skipped` saying why
+a torch schedule did not run (its 1F1B schedule needs m >= p; its interleaved one an m
+that its m // p rounds divide). P2P bytes are counted over the second step (torch's
 schedules exchange a few bytes of set-up in their first), the timeline is the last step's.
+The handoff between stages (a message and the wake-up of the rank waiting for it) is
+measured once per launch: micro-batches sent down the pipeline and back, with ops as long
+as the schedules' (labkit.pipeline_schedules.handoff_samples).
 """
 
 import contextlib
 import copy
 import dataclasses
+import statistics
 import time
 
 import torch
@@ -55,8 +65,8 @@ import torch.distributed as dist
 
 from labkit import comm_model, distenv, memory_model, time_model
 from labkit.collectives import CountCollectives
-from labkit.pipeline_schedules import (OpClock, run_schedule, schedule_order, split_pieces,
-                                       timed_torch_stage)
+from labkit.pipeline_schedules import (OpClock, handoff_samples, run_schedule, schedule_order,
+                                       split_pieces, timed_torch_stage)
 from labkit.strategies import apply_pp, rank_batch
 from labkit.transformer import (Shape, Transformer, add_shape_args, next_token_loss,
                                 shape_from_args)
@@ -66,6 +76,7 @@ from labkit.transformer import (Shape, Transformer, add_shape_args, next_token_l
 SHAPE = Shape(layers=8, hidden=16, heads=2, seq=8, vocab=32)
 BATCH = 16            # sequences per step: divisible by m = 1, 2, 4, 8, 16
 STEPS = 3             # set-up, counted, timed
+HANDOFF_ROUNDS = 8    # micro-batches sent down the pipeline and back, to time the handoff
 LEARNING_RATE = 0.1   # plain SGD: the result depends on the gradients alone
 SCHEDULES = ("gpipe", "1f1b", "torch_gpipe", "torch_1f1b", "torch_interleaved")
 PITFALLS = ("no_loss_scale", "recv_before_send")
@@ -97,7 +108,8 @@ class Pipeline:
         self.indices = [chunk * p + env.rank for chunk in range(v)]
         torch.manual_seed(args.seed)   # the reference's initial weights
         all_pieces = split_pieces(Transformer(shape).to(env.device), p * v)
-        self.clock = OpClock(None if args.compute_ms is None else args.compute_ms / 1e3 / v)
+        self.clock = OpClock(None if args.compute_ms is None else args.compute_ms / 1e3 / v,
+                             device=env.device)
         self.pieces = [all_pieces[k] for k in self.indices]
         micro = args.batch // m
         self.activation_shape = (micro, shape.seq, shape.hidden)
@@ -140,7 +152,7 @@ class Pipeline:
             self.torch_schedule.step()
 
 
-def run_one(name, shape, m, args, env, expected):
+def run_one(name, shape, m, args, env, expected, handoffs):
     """Train schedule `name` with m micro-batches: its results (on every rank) and its last
     step's timeline."""
     pipeline = Pipeline(name, shape, m, args, env)
@@ -161,8 +173,9 @@ def run_one(name, shape, m, args, env, expected):
         pipeline.optimizer.step()
         pipeline.optimizer.zero_grad(set_to_none=True)
     events = [{"stage": env.rank, "op": op, "microbatch": i, "chunk": piece // env.world_size,
-               "start_s": t0 - start, "end_s": t1 - start}
-              for op, i, piece, t0, t1 in pipeline.clock.events]
+               "start_s": t0 - start, "end_s": t1 - start,
+               "wait_s": None if wait is None else [wait[0] - start, wait[1] - start]}
+              for op, i, piece, t0, t1, wait in pipeline.clock.events]
     mine = {"elapsed": elapsed, "events": events, "sent": int(counter.sent),
             "over": pipeline.clock.over_budget}
     ranks = [None] * env.world_size
@@ -175,12 +188,38 @@ def run_one(name, shape, m, args, env, expected):
     step_time = max(r["elapsed"] for r in ranks)
     busy = sum(e["end_s"] - e["start_s"] for r in ranks for e in r["events"])
     kind = "interleaved" if v > 1 else ("1f1b" if "1f1b" in name else "gpipe")
+    # The prediction with the handoff: the ops as they ran on each rank (their order, and
+    # each one's time from its input in hand to its end), what each rank spent between
+    # ops before it could take the next input (posting what the last one made: measured
+    # where the from-scratch schedules record their waits, else the gap before the op),
+    # and the handoff this launch measured: its median, and its smallest and largest
+    # sample for the range its spread allows.
+    orders = {rank: [] for rank in range(p)}
+    durations = {rank: [] for rank in range(p)}
+    before_input = {rank: [] for rank in range(p)}
+    for rank, r in enumerate(ranks):
+        previous = 0.0
+        for e in sorted(r["events"], key=lambda e: e["start_s"]):
+            orders[rank].append((e["op"], e["microbatch"], e["chunk"] * p + rank))
+            wait_start, in_hand = e["wait_s"] or (e["start_s"], e["start_s"])
+            before_input[rank].append(max(0.0, wait_start - previous))
+            durations[rank].append(e["end_s"] - in_hand)
+            previous = e["end_s"]
+    handoff = ((statistics.median(handoffs), min(handoffs), max(handoffs)) if handoffs
+               else (0.0,) * 3)
+    with_handoff = [time_model.pipeline_bubble_with_handoff(orders, durations, latency,
+                                                            before_input, busy)
+                    for latency in handoff]
     result = {
         "max_param_diff": distenv.max_param_diff(own, ref, env.device),
         "expected_equal": name != "no_loss_scale" or m == 1,
         "step_time_s": step_time,
         "bubble_fraction": 1 - busy / (p * step_time),
         "predicted_bubble_fraction": time_model.pipeline_bubble_fraction(p, m, v),
+        "handoff_latency_s": handoff[0],
+        "handoff_latency_range_s": list(handoff[1:]),
+        "predicted_bubble_fraction_with_handoff": with_handoff[0],
+        "predicted_bubble_fraction_with_handoff_range": with_handoff[1:],
         "peak_microbatches_in_flight": [peak_in_flight(r["events"]) for r in ranks],
         "predicted_peak_microbatches_in_flight":
             memory_model.pipeline_peak_microbatches(kind, p, m, v),
@@ -192,6 +231,21 @@ def run_one(name, shape, m, args, env, expected):
     timeline = sorted((e for r in ranks for e in r["events"]),
                       key=lambda e: (e["stage"], e["start_s"]))
     return result, timeline
+
+
+# How far the measured bubble may lie from the prediction with the handoff, beyond the range
+# this launch's own handoff samples give: the ops are timed on each rank's own clock, and
+# one late wake-up on the critical path moves a short step by about this much.
+BUBBLE_MARGIN = 0.03
+
+
+def bubble_bounds(result):
+    """(lowest, highest) bubble a schedule's `result` may measure: the prediction with
+    the handoff at the launch's smallest and largest handoff sample, widened by
+    BUBBLE_MARGIN. What a busy machine adds shows in the handoff samples, so the bounds
+    widen with the same run's own spread, not with a constant chosen for one machine."""
+    low, high = result["predicted_bubble_fraction_with_handoff_range"]
+    return low - BUBBLE_MARGIN, high + BUBBLE_MARGIN
 
 
 def peak_in_flight(events):
@@ -206,6 +260,12 @@ def peak_in_flight(events):
 def run(args, env):
     shape = shape_from_args(args)
     sweep, timelines = [], {}
+    # The handoff between stages, measured once in this launch with ops as long as the
+    # schedules' (their forward's time), on the first sweep point's activations.
+    batch = args.microbatches[0] * args.microbatch_size if args.microbatch_size else args.batch
+    handoffs = handoff_samples(env.rank, env.world_size,
+                               (batch // args.microbatches[0], shape.seq, shape.hidden),
+                               env.device, HANDOFF_ROUNDS, (args.compute_ms or 0) / 1e3)
     for index, m in enumerate(args.microbatches):
         args.batch = m * args.microbatch_size if args.microbatch_size else args.batch
         expected = reference(shape, args.batch, args, env.device)
@@ -216,7 +276,7 @@ def run(args, env):
                 skipped[name] = reason
                 env.print0(f"{name:>17} m={m:<2}: skipped, {reason}")
                 continue
-            result, timeline = run_one(name, shape, m, args, env, expected)
+            result, timeline = run_one(name, shape, m, args, env, expected, handoffs)
             schedules[name] = result
             if index == 0:
                 timelines[name] = timeline
@@ -225,7 +285,8 @@ def run(args, env):
                       "skipped": skipped})
     return {"pp": env.world_size, "shape": dataclasses.asdict(shape),
             "batch": sweep[0]["batch"], "compute_ms": args.compute_ms,
-            "schedules": sweep[0]["schedules"], "timeline": timelines, "sweep": sweep}
+            "schedules": sweep[0]["schedules"], "timeline": timelines, "sweep": sweep,
+            "handoff_latency_samples_s": handoffs}
 
 
 def torch_refuses(name, m, p):

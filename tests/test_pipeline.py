@@ -50,7 +50,9 @@ def test_the_result_says_where_it_came_from(result):
     fields = {"max_param_diff", "expected_equal", "step_time_s", "bubble_fraction",
               "predicted_bubble_fraction", "peak_microbatches_in_flight",
               "predicted_peak_microbatches_in_flight", "p2p_bytes_per_rank",
-              "predicted_p2p_bytes_per_rank", "ops_over_compute_ms"}
+              "predicted_p2p_bytes_per_rank", "ops_over_compute_ms", "handoff_latency_s",
+              "handoff_latency_range_s", "predicted_bubble_fraction_with_handoff",
+              "predicted_bubble_fraction_with_handoff_range"}
     for entry in result["sweep"]:
         for name, r in entry["schedules"].items():
             assert set(r) == fields, name
@@ -100,22 +102,26 @@ def test_in_flight_and_bytes_equal_the_prediction_exactly(result):
 
 
 @ALONE
-def test_the_bubble_under_controlled_time_follows_the_formula(result):
-    # The time between ops (a message, a process waking up) is idle time the formula
-    # leaves out: the measured bubble lies above it, by less the longer the ops. With 6 ms
-    # forwards on a busy machine the tests allow 0.15; the chapter's 10 ms ops are held to
-    # 0.1, and a benchmark at 20 ms reaches 0.05 (pipeline.md).
+def test_the_bubble_under_controlled_time_follows_the_prediction_with_the_handoff(result):
+    # The time between ops (a message, a process waking up) is idle time the textbook
+    # formula leaves out; the lab measures it in the same launch (the handoff) and predicts
+    # the step's critical path with it. The measured bubble lies within the range the
+    # launch's own handoff samples give (pipeline.bubble_bounds), loaded machine or not.
     p = result["pp"]
     if result["compute_ms"] is None:
         return   # the real computation: the CPU's timeline, not the schedule's
+    assert len(result["handoff_latency_samples_s"]) == pipeline.HANDOFF_ROUNDS
     for entry in result["sweep"]:
         m = entry["microbatches"]
         for name, r in entry["schedules"].items():
             if name == "torch_interleaved":
                 continue   # its own formula, checked in the chapter
             assert r["predicted_bubble_fraction"] == (p - 1) / (m + p - 1)
-            gap = r["bubble_fraction"] - r["predicted_bubble_fraction"]
-            assert -0.03 < gap < 0.15, (m, name, gap)
+            low, high = r["predicted_bubble_fraction_with_handoff_range"]
+            assert low <= r["predicted_bubble_fraction_with_handoff"] <= high
+            lowest, highest = pipeline.bubble_bounds(r)
+            assert lowest <= r["bubble_fraction"] <= highest, (m, name, r["bubble_fraction"],
+                                                                 lowest, highest)
 
 
 def test_schedule_orders_run_every_op_once_forward_first():

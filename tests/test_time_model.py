@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from labkit import time_model
+from labkit.pipeline_schedules import schedule_order
 
 
 def test_speedup_and_efficiencies():
@@ -144,3 +145,41 @@ def test_pipeline_bubble_by_hand():
     assert time_model.pipeline_bubble_fraction(4, 1, chunks=2) == 6 / 8
     assert time_model.pipeline_bubble_fraction(4, 2, chunks=2) == 5 / 9
     assert time_model.pipeline_bubble_fraction(4, 4, chunks=2) == 3 / 11   # both counts agree
+
+
+def test_the_pipeline_step_with_no_handoff_is_the_textbook_step():
+    # equal forwards F and backwards 2F, no handoff: (m + p - 1)(F + B), both schedules
+    for kind in ("gpipe", "1f1b"):
+        for p, m in ((1, 3), (2, 1), (3, 5), (4, 2), (4, 8)):
+            orders = {s: [(op, i, s) for op, i in schedule_order(kind, p, s, m)]
+                      for s in range(p)}
+            durations = {s: [1.0 if op == "F" else 2.0 for op, _, _ in orders[s]]
+                         for s in range(p)}
+            assert time_model.pipeline_step_time(orders, durations) == (m + p - 1) * 3
+            assert time_model.pipeline_bubble_with_handoff(orders, durations, 0.0) == \
+                pytest.approx(time_model.pipeline_bubble_fraction(p, m))
+
+
+def test_a_handoff_lies_on_every_edge_of_the_critical_path():
+    # GPipe: 2(p - 1) handoffs in the fill and the drain. 1F1B's steady state waits on its
+    # neighbour after every micro-batch, so the same handoff costs it more (p = 3, m = 5:
+    # by hand, the last stage's F then B every round trip)
+    p, m, handoff = 3, 5, 0.1
+    gpipe = {s: [(op, i, s) for op, i in schedule_order("gpipe", p, s, m)] for s in range(p)}
+    ones = {s: [1.0 if op == "F" else 2.0 for op, _, _ in gpipe[s]] for s in range(p)}
+    assert time_model.pipeline_step_time(gpipe, ones, handoff) == pytest.approx(
+        (m + p - 1) * 3 + 2 * (p - 1) * handoff)
+    one_f_one_b = {s: [(op, i, s) for op, i in schedule_order("1f1b", p, s, m)]
+                   for s in range(p)}
+    assert time_model.pipeline_step_time(one_f_one_b, ones, handoff) > \
+        time_model.pipeline_step_time(gpipe, ones, handoff)
+    # what a rank spends before taking each input adds on its own path
+    before = {s: [0.5] * len(gpipe[s]) for s in range(p)}
+    assert time_model.pipeline_step_time(gpipe, ones, 0.0, before) > (m + p - 1) * 3
+
+
+def test_a_schedule_whose_ranks_wait_on_each_other_is_refused():
+    orders = {0: [("B", 0, 0), ("F", 0, 0)], 1: [("F", 0, 1), ("B", 0, 1)]}
+    durations = {0: [1.0, 1.0], 1: [1.0, 1.0]}
+    with pytest.raises(ValueError, match="deadlocks"):
+        time_model.pipeline_step_time(orders, durations)

@@ -16,6 +16,7 @@ stage), not the wait for its input nor the sending of its output.
 """
 
 import contextlib
+import datetime
 import time
 
 import torch
@@ -45,7 +46,8 @@ def split_pieces(model, pieces):
 
 class OpClock:
     """Records each forward and backward a rank runs, as events (op, micro-batch, piece,
-    start, end), op "F" or "B". `compute_s`, if given, pads each forward to last exactly
+    start, end, wait), op "F" or "B"; `wait` (start, end) is when the rank waited for the
+    op's input, where the caller says so (run_schedule does; torch's stages do not). `compute_s`, if given, pads each forward to last exactly
     that long and each backward twice as long (the real work, then a sleep): a
     controlled-time experiment, in which the schedule alone sets the timeline.
     `over_budget` counts the ops whose real work took longer than that.
@@ -55,25 +57,35 @@ class OpClock:
     very work being timed. hide_modes=False keeps them, for ops that do communicate (a
     tensor-parallel stage's all-reduces)."""
 
-    def __init__(self, compute_s=None, hide_modes=True):
+    def __init__(self, compute_s=None, hide_modes=True, device=None):
         self.compute_s, self.hide_modes = compute_s, hide_modes
+        # On a GPU the work is queued, not done, when the Python call returns: the clock
+        # is read after the device has finished what came before (the input's arrival
+        # included) and what the op queued.
+        # Only this stream's work: a device-wide synchronize would also wait for a pending
+        # NCCL send, which ends when the neighbour receives it.
+        cuda = device is not None and torch.device(device).type == "cuda"
+        self.synchronize = ((lambda: torch.cuda.current_stream(device).synchronize()) if cuda
+                            else (lambda: None))
         self.reset()
 
     def reset(self):
         self.events, self.over_budget = [], 0
 
     @contextlib.contextmanager
-    def op(self, kind, microbatch, piece=0):
+    def op(self, kind, microbatch, piece=0, wait=None):
+        self.synchronize()
         start = time.perf_counter()
         with _disable_current_modes() if self.hide_modes else contextlib.nullcontext():
             yield
+        self.synchronize()
         if self.compute_s is not None:
             left = start + self.compute_s * (1 if kind == "F" else 2) - time.perf_counter()
             if left > 0:
                 time.sleep(left)
             else:
                 self.over_budget += 1
-        self.events.append((kind, microbatch, piece, start, time.perf_counter()))
+        self.events.append((kind, microbatch, piece, start, time.perf_counter(), wait))
 
 
 def timed_torch_stage(clock):
@@ -113,37 +125,79 @@ def schedule_order(schedule, stages, stage, microbatches):
     raise ValueError(f"unknown schedule {schedule!r}")
 
 
-def _recv(shape, source, device, what, stage, timeout_s, group=None):
-    buffer = torch.empty(shape, device=device)
+def _wait_for(handle, what, source, stage, timeout_s):
+    """Wait for a receive; a peer that never sends fails it after timeout_s with one line.
+    An explicit timeout makes NCCL block the CPU too (not only the stream), as gloo does."""
     try:
-        dist.recv(buffer, src=source, group=group)
-    except RuntimeError as error:   # gloo and NCCL raise on the group's timeout
+        handle.wait(timeout=datetime.timedelta(seconds=timeout_s)) if timeout_s else handle.wait()
+    except RuntimeError as error:   # gloo and NCCL raise when the wait times out
         raise TimeoutError(f"stage {stage} waited {timeout_s:g} s for {what} from rank "
                            f"{source} and gave up: the schedule is deadlocked") from error
-    return buffer
+
+
+def _exchange(sends, recv=None, group=None):
+    """Post `sends` [(tensor, rank)] and the receive `recv` (buffer, rank) as one
+    batch_isend_irecv: a stage's send to a neighbour and its receive from the same one go
+    out together, as Megatron-LM's send_forward_recv_backward does. On NCCL a send waits
+    for its peer's matching receive, and separate calls over one pair's stream can wait on
+    each other. Returns (the send handles, the receive's handle or None)."""
+    ops = [dist.P2POp(dist.isend, tensor, peer, group) for tensor, peer in sends]
+    if recv is not None:
+        ops.append(dist.P2POp(dist.irecv, recv[0], recv[1], group))
+    handles = dist.batch_isend_irecv(ops) if ops else []
+    if recv is None:
+        return handles, None
+    return handles[:-1], handles[-1]
 
 
 def run_schedule(piece, order, stage, stages, inputs, targets, loss_fn, *, clock,
                  prev_rank=None, next_rank=None, activation_shape, device, scale_loss=True,
                  recv_before_send=False, timeout_s=0.0, group=None):
-    """One step of stage `stage`, each op timed by `clock`: the forwards and backwards of `order` on micro-batches
-    `inputs` (used by the first stage) and `targets` (by the last), activations sent to
-    `next_rank` and gradients to `prev_rank` (global ranks). The loss of each micro-batch
-    is divided by m, so that the gradients are those of the whole batch's mean loss
-    (scale_loss=False is a pitfall: m times too large). recv_before_send is another: each
-    stage waits for a micro-batch's gradient before sending the activation it needs, and
-    the pipeline deadlocks until the group's timeout. `group` is the process group the
-    sends go over (None: the world; ranks stay global either way). Returns the last
-    stage's losses."""
+    """One step of stage `stage`, each op timed by `clock`: the forwards and backwards of
+    `order` on micro-batches `inputs` (used by the first stage) and `targets` (by the
+    last), activations sent to `next_rank` and gradients to `prev_rank` (global ranks). The
+    loss of each micro-batch is divided by m, so that the gradients are those of the whole
+    batch's mean loss (scale_loss=False is a pitfall: m times too large). recv_before_send
+    is another: each stage waits for a micro-batch's gradient before sending the
+    activation it needs, and the pipeline deadlocks until the group's timeout. `group` is
+    the process group the sends go over (None: the world; ranks stay global either way).
+
+    What an op sends goes out together with the next op's receive (_exchange), so a stage
+    never waits on a receive while its own send to that neighbour is still unposted.
+    Returns the last stage's losses."""
     first, last = stage == 0, stage == stages - 1
     m = len(inputs)
-    kept, sends, losses = {}, [], []
+    kept, posted, losses = {}, [], []
+    outgoing = []   # [(tensor, rank)] the last op made, not yet posted
+
+    def post(recv=None):
+        """Post what the last op made, with the next receive if there is one."""
+        nonlocal outgoing
+        handles, handle = _exchange(outgoing, recv, group)
+        posted.extend(zip(handles, [tensor for tensor, _ in outgoing]))
+        outgoing = []
+        return handle
+
+    waited = {}   # (op, micro-batch) -> (start, end) of the wait for its input
+
+    def receive(shape, source, what, key=None):
+        buffer = torch.empty(shape, device=device)
+        handle = post((buffer, source))
+        start = time.perf_counter()
+        _wait_for(handle, what, source, stage, timeout_s)
+        if key is not None:
+            waited[key] = (start, time.perf_counter())
+        return buffer
+
     for op, i in order:
+        if (op == "F" and first) or (op == "B" and last):
+            post()   # this op receives nothing: what the last one made goes out now
         if op == "F":
-            x = inputs[i] if first else _recv(activation_shape, prev_rank, device,
-                                              f"micro-batch {i}'s activations", stage,
-                                              timeout_s, group).requires_grad_()
-            with clock.op("F", i, stage):
+            x = inputs[i] if first else receive(activation_shape, prev_rank,
+                                                f"micro-batch {i}'s activations", ("F", i))
+            if not first:
+                x.requires_grad_()
+            with clock.op("F", i, stage, waited.get(("F", i))):
                 y = piece(x)
                 if last:
                     loss = loss_fn(y, targets[i])
@@ -151,20 +205,66 @@ def run_schedule(piece, order, stage, stages, inputs, targets, loss_fn, *, clock
                     y = loss / m if scale_loss else loss
             if not last:
                 if recv_before_send:
-                    _recv(activation_shape, next_rank, device, f"micro-batch {i}'s gradient",
-                          stage, timeout_s, group)
-                out = y.detach()
-                sends.append((dist.isend(out, dst=next_rank, group=group), out))
+                    receive(activation_shape, next_rank, f"micro-batch {i}'s gradient")
+                outgoing.append((y.detach(), next_rank))
             kept[i] = (x, y)
         else:
             x, y = kept.pop(i)
-            grad = None if last else _recv(y.shape, next_rank, device,
-                                           f"micro-batch {i}'s gradient", stage, timeout_s,
-                                           group)
-            with clock.op("B", i, stage):
+            grad = None if last else receive(y.shape, next_rank, f"micro-batch {i}'s gradient",
+                                             ("B", i))
+            with clock.op("B", i, stage, waited.get(("B", i))):
                 torch.autograd.backward(y, grad)
             if not first:
-                sends.append((dist.isend(x.grad, dst=prev_rank, group=group), x.grad))
-    for handle, _ in sends:
+                outgoing.append((x.grad, prev_rank))
+    post()
+    for handle, _ in posted:
         handle.wait()
     return losses
+
+
+class _Scale(nn.Module):
+    """A stage that only carries its input on: a handoff probe's piece."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+def handoff_samples(stage, stages, shape, device, rounds, pause_s, group=None, ranks=None):
+    """One-way handoffs between neighbouring stages, in seconds, one sample per round:
+    a ping-pong through the whole pipeline, made of the schedule's own calls. Each round
+    runs one micro-batch of an activation's `shape` down all the stages and its gradient
+    back up (run_schedule with m = 1), every forward lasting `pause_s` and every backward
+    twice that, as the ops of a controlled-time schedule do: a rank then waits as long as
+    it would in a step, and a process that has waited wakes more slowly than one in a
+    tight loop. The round's time less its ops' is 2(p - 1) handoffs: each a message, its
+    posting, and the wake-up of the rank waiting for it. `ranks` [global rank of each
+    stage] (None: stage = rank). Every rank calls it and gets every sample."""
+    if stages == 1:
+        return []
+    ranks = ranks or list(range(stages))
+    clock, piece = OpClock(pause_s, device=device), _Scale().to(device)
+    inputs = [torch.zeros(shape, device=device)]
+    samples = []
+    for round_ in range(rounds + 1):   # the first round sets the pairs up: not kept
+        clock.reset()
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        run_schedule(piece, schedule_order("gpipe", stages, stage, 1), stage, stages,
+                     inputs, [None], lambda y, _: y.sum(), clock=clock,
+                     prev_rank=ranks[stage - 1] if stage else None,
+                     next_rank=ranks[stage + 1] if stage < stages - 1 else None,
+                     activation_shape=shape, device=device)
+        mine = torch.tensor([time.perf_counter() - start,
+                             sum(end - begin for *_, begin, end, _ in clock.events)],
+                            dtype=torch.float64)
+        everyone = [torch.zeros_like(mine) for _ in range(stages)]
+        dist.all_gather(everyone, mine, group=group)
+        if round_:
+            step = max(t[0].item() for t in everyone)
+            ops = sum(t[1].item() for t in everyone)
+            samples.append(max(0.0, (step - ops) / (2 * (stages - 1))))
+    return samples

@@ -175,3 +175,60 @@ def pipeline_bubble_fraction(stages, microbatches, chunks=1):
     p, m, v = stages, microbatches, chunks
     slots = max(v * m + p - 1, v * p + m - 1)
     return (slots - v * m) / slots
+
+
+def pipeline_step_time(orders, durations, handoff_s=0.0, before_input=None):
+    """Seconds one pipeline step takes, its critical path: each rank runs its ops one after
+    the other, in `orders` {rank: [(op, micro-batch, piece)]}, each lasting `durations`
+    {rank: [seconds]} (the same layout) once its input is in hand; a forward of a
+    micro-batch on piece k > 0 has its input once piece k-1's forward of it has ended and
+    the activations have reached this rank, a backward on piece k < last once piece
+    k+1's backward of it has ended and the gradient has arrived. Reaching another rank
+    takes `handoff_s`, the handoff: the message, and the wake-up of the process waiting for
+    it. `before_input` {rank: [seconds]}, if given, is what a rank spends after its
+    previous op before it can take the next one's input (posting what the last op made).
+    Pieces are numbered along the model (rank r holds pieces r, r + p, ...: one, or v
+    chunks when interleaved).
+
+    With equal forwards F, backwards B and no handoff, GPipe and 1F1B take
+    (m + p - 1)(F + B), the textbook step (pipeline_bubble_fraction); a handoff adds its
+    latency on every edge of the critical path between ranks: 2(p - 1) of them in the
+    fill and the drain, and more wherever a stage waits on its neighbour in between."""
+    ends, at = {}, {rank: 0 for rank in orders}
+    clock = {rank: 0.0 for rank in orders}
+    last_piece = max(piece for order in orders.values() for _, _, piece in order)
+    where = {(op, i, piece): rank for rank, order in orders.items() for op, i, piece in order}
+    remaining = sum(len(order) for order in orders.values())
+    while remaining:
+        progressed = False
+        for rank, order in orders.items():
+            while at[rank] < len(order):
+                op, i, piece = order[at[rank]]
+                needs = ((op, i, piece - 1) if op == "F" and piece > 0 else
+                         ("B", i, piece + 1) if op == "B" and piece < last_piece else None)
+                if needs is not None and needs not in ends:
+                    break   # its input is not made yet: another rank goes first
+                ready = clock[rank] + (before_input[rank][at[rank]] if before_input else 0.0)
+                if needs is not None:
+                    ready = max(ready, ends[needs]
+                                + (handoff_s if where.get(needs) != rank else 0.0))
+                clock[rank] = ends[(op, i, piece)] = ready + durations[rank][at[rank]]
+                at[rank] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise ValueError("the ops' orders wait on each other: the schedule deadlocks")
+    return max(clock.values())
+
+
+def pipeline_bubble_with_handoff(orders, durations, handoff_s, before_input=None, busy=None):
+    """The bubble of one step (idle time over p x step time) when its ops last `durations`
+    and each handoff between ranks takes `handoff_s` (pipeline_step_time). `busy`: the
+    time the ranks spent in their ops, if `durations` also hold more (the time between
+    an op's input and its start). At handoff 0 with equal ops it is the textbook
+    (p-1)/(m+p-1), the limit the measured bubble approaches as the ops grow long
+    against the handoff."""
+    if busy is None:
+        busy = sum(sum(times) for times in durations.values())
+    step = pipeline_step_time(orders, durations, handoff_s, before_input)
+    return 1 - busy / (len(orders) * step)
