@@ -11,9 +11,13 @@ flight on it. Step time is the sum of:
   compute    6 x params FLOPs per token (8 with checkpointing, which runs each forward
              twice), spread over the N GPUs at --mfu of --peak-tflops
   bubble     compute x (p - 1) / m: 1F1B's idle fill and drain
-  tp         per layer and micro-batch, four all-reduces' worth of b s h 16-bit values
-             (forward and backward; six with checkpointing), on NVLink (tp stays inside
-             a node), not overlapped
+  tp         the tensor-parallel collectives of the slowest stage, with sequence
+             parallelism (comm_model.tensor_parallel_collectives, the function the lab's
+             counts are checked against): per layer and micro-batch 4 all-gathers and 4
+             reduce-scatters of b s h 16-bit values forward and backward and 2 all-gathers
+             of the inputs again (10 collectives; checkpointing repeats the forward's 4),
+             the embedding's and head's, the loss's; on NVLink (tp stays inside a node),
+             not overlapped
   pp         per micro-batch, a b s h activation forward and its gradient back, on the
              network when the stages span nodes, not overlapped
   dp         the data-parallel collectives of the stage's 16-bit parameters
@@ -39,9 +43,11 @@ memory_bytes {params, grads, optimizer, states, activations, total, stage}, time
 """
 
 import argparse
+import functools
 import json
 import math
 import sys
+from collections import Counter
 
 from labkit import comm_model, hardware, memory_model, time_model
 from labkit.distenv import choice_list, fail, positive_int
@@ -92,6 +98,39 @@ def collective_time(op, bytes_, world_size, alpha_s, beta_bytes_per_s):
     return time_model.shard_collective_time(bytes_, world_size, alpha_s, beta_bytes_per_s)
 
 
+def tensor_parallel_plan(shape, config, stage):
+    """[(op, elements)] the tensor-parallel collectives one rank of pipeline stage `stage`
+    issues in one step of `config`: comm_model.tensor_parallel_collectives for the stage's
+    layers (the embedding on the first stage, the head and loss on the last), m
+    micro-batches of b sequences, sequence parallelism whenever tp > 1, and each layer's
+    forward collectives again under checkpointing. Nothing at tp = 1."""
+    if config["tp"] == 1:
+        return []
+    pp = config["pp"]
+    return comm_model.tensor_parallel_collectives(
+        memory_model.stage_layers(shape.layers, pp)[stage], shape.seq, config["micro_batch"],
+        shape.hidden, config["tp"], sequence_parallel=config["sequence_parallel"],
+        embedding=stage == 0, head=stage == pp - 1, microbatches=config["microbatches"],
+        recompute=config["checkpointing"])
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_time(shape, key, stage, alpha_s, beta_bytes_per_s):
+    config = dict(key)
+    counts = Counter(tensor_parallel_plan(shape, config, stage))
+    return sum(count * collective_time(op, VALUE_BYTES * numel, config["tp"], alpha_s,
+                                       beta_bytes_per_s)
+               for (op, numel), count in counts.items())
+
+
+def tensor_parallel_time(shape, config, link):
+    """Seconds of the slowest stage's tensor-parallel collectives (tensor_parallel_plan),
+    each at its ring alpha-beta time on `link`, none overlapped."""
+    key = tuple((k, config[k]) for k in ("pp", "tp", "micro_batch", "microbatches",
+                                         "checkpointing", "sequence_parallel"))
+    return float(max(_plan_time(shape, key, stage, *link) for stage in range(config["pp"])))
+
+
 def step_time(shape, params, config, args):
     """{compute, bubble, tp, pp, dp, step} seconds of one step of `config`."""
     dp, pp, tp, b, m = (config[k] for k in ("dp", "pp", "tp", "micro_batch", "microbatches"))
@@ -103,9 +142,7 @@ def step_time(shape, params, config, args):
     link = links(dp, pp, tp, args)
     sbh_bytes = VALUE_BYTES * b * shape.seq * shape.hidden
     layers = math.ceil(shape.layers / pp)
-    allreduces = 6 if config["checkpointing"] else 4
-    tp_s = (layers * m * allreduces * comm_model.allreduce_time(sbh_bytes, tp, *link["tp"])
-            if tp > 1 else 0.0)
+    tp_s = tensor_parallel_time(shape, config, link["tp"])
     alpha, beta = link["pp"]
     pp_s = m * 2 * (alpha + sbh_bytes / beta) if pp > 1 else 0.0
     stage_params = max(memory_model.stage_params_per_rank(

@@ -4,12 +4,16 @@ the same settings; its step time adds up and ranks them."""
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 
 import memory
 import plan
 from conftest import assert_fails_with_one_line, assert_refused
+from labkit import comm_model
+
+CHAPTER = Path(__file__).resolve().parent.parent / "book" / "hybrid.md"
 
 SHAPE_70B = ["--layers", "80", "--hidden", "8192", "--heads", "64", "--vocab", "128256",
              "--seq", "4096"]
@@ -60,6 +64,56 @@ def test_memory_equals_the_memory_calculator(capsys, argv):
         row = json.loads(capsys.readouterr().out)[c["zero"]]
         key = "per_gpu_checkpointed" if c["checkpointing"] else "per_gpu"
         assert row[key] == c["memory_bytes"]["total"], c
+
+
+def test_the_planner_and_the_chapter_price_tensor_parallelism_with_one_function():
+    """The planner's tp term is the time of comm_model.tensor_parallel_collectives for the
+    slowest stage, sequence parallelism on, and the chapter's table of what each axis sends
+    takes its tensor-parallel collectives from the same planner function: one model of
+    tensor-parallel traffic, 10 collectives per layer and micro-batch (14 recomputing)."""
+    args = plan.parse_args([*SHAPE_70B, "--gpus", "256"])
+    shape = args.shape
+    params = plan.memory_model.transformer_params(shape.layers, shape.hidden, shape.vocab,
+                                                  shape.seq)
+    for dp, pp, tp, b, checkpointing in ((8, 4, 8, 1, False), (8, 4, 8, 2, True),
+                                         (16, 8, 2, 1, False), (128, 1, 2, 4, True)):
+        m = args.global_batch_tokens // shape.seq // dp // b
+        config = {"dp": dp, "pp": pp, "tp": tp, "zero": "zero1", "micro_batch": b,
+                  "microbatches": m, "checkpointing": checkpointing, "sequence_parallel": True}
+        link = plan.links(dp, pp, tp, args)["tp"]
+        times = []
+        for stage in range(pp):
+            layers = plan.memory_model.stage_layers(shape.layers, pp)[stage]
+            collectives = comm_model.tensor_parallel_collectives(
+                layers, shape.seq, b, shape.hidden, tp, sequence_parallel=True,
+                embedding=stage == 0, head=stage == pp - 1, microbatches=m,
+                recompute=checkpointing)
+            assert plan.tensor_parallel_plan(shape, config, stage) == collectives
+            times.append(sum(plan.collective_time(op, plan.VALUE_BYTES * n, tp, *link)
+                             for op, n in collectives))
+            if 0 < stage < pp - 1:   # a middle stage: only its layers, and one gradient
+                sbh = b * shape.seq * shape.hidden
+                per_layer = sum(n == sbh for _, n in collectives) / (m * layers)
+                assert per_layer == (14 if checkpointing else 10)
+        assert plan.step_time(shape, params, config, args)["tp"] == pytest.approx(max(times))
+    chapter = CHAPTER.read_text()
+    assert "tp_plan70 = plan.tensor_parallel_plan(shape70, config_axes, stage=1)" in chapter
+    assert '"tp": comm_model.collectives_summary(tp_plan70, tp70, plan.VALUE_BYTES)[0]' in chapter
+    assert "tp_per_layer = sum(n == sbh70 for _, n in tp_plan70)" in chapter
+
+
+def test_flop_conventions_by_hand():
+    """Narayanan et al.'s Eq. 3 per token, 6 psi, and 6 psi with attention's products."""
+    layers, hidden, seq, vocab = 2, 64, 32, 100
+    psi = plan.memory_model.transformer_params(layers, hidden, vocab, seq)
+    flops = plan.memory_model.flops_per_token
+    assert flops(layers, hidden, seq, vocab) == 6 * psi
+    assert flops(layers, hidden, seq, vocab, "attention") == 6 * psi + 12 * layers * hidden * seq
+    # four passes over 24 h^2 per layer, attention's 4 s h, the logits' 2 V h forward
+    by_hand = 4 * layers * (24 * hidden ** 2 + 4 * seq * hidden) + 3 * 2 * vocab * hidden
+    assert flops(layers, hidden, seq, vocab, "megatron") == pytest.approx(by_hand)
+    with pytest.raises(ValueError):
+        flops(layers, hidden, seq, vocab, "7psi")
 
 
 def test_what_does_not_fit_is_left_out(capsys):

@@ -95,6 +95,35 @@ def transformer_params(layers, hidden, vocab, seq, tied_head=False):
     return layers * per_block + outside
 
 
+FLOP_CONVENTIONS = ("6psi", "attention", "megatron")
+
+
+def flops_per_token(layers, hidden, seq, vocab, convention="6psi"):
+    """Training FLOPs per token of the course's transformer, counted by `convention`: a
+    throughput in TFLOP/s means nothing until one knows which.
+
+      6psi       6 x transformer_params: 2 per parameter forward, 4 backward (Kaplan et al.,
+                 2020). The course's time model and the planner's MFU count this.
+      attention  6 psi plus attention's two matrix products, Q K^T and the weights times V:
+                 4 L h s per token forward, twice that backward, 12 L h s (causal masking not
+                 discounted), as torchtitan's MFU adds them (get_dense_model_nparams_and_flops).
+      megatron   Narayanan et al. (2021), Eq. 3 divided by the B s tokens of a batch:
+                 96 L h^2 (1 + s / (6h) + V / (16 L h)). It counts the layers' matrix products
+                 four times (forward, the forward recomputed under activation checkpointing,
+                 backward at twice the forward), attention's products, and the logits' (6 V h),
+                 and the embedding lookup not at all.
+    """
+    if convention == "6psi":
+        return 6 * transformer_params(layers, hidden, vocab, seq)
+    if convention == "attention":
+        return 6 * transformer_params(layers, hidden, vocab, seq) + 12 * layers * hidden * seq
+    if convention == "megatron":
+        return 96 * layers * hidden ** 2 * (1 + seq / (6 * hidden)
+                                            + vocab / (16 * layers * hidden))
+    raise ValueError(f"unknown convention {convention!r}; choose from "
+                     f"{', '.join(FLOP_CONVENTIONS)}")
+
+
 def activation_bytes_per_layer(seq, batch, hidden, heads, value_bytes=2, dropout=True):
     """Bytes one transformer layer keeps for its backward pass (Korthikanti et al., 2022).
 
