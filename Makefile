@@ -13,8 +13,9 @@ LAB    ?= grad_averaging
 NPROC  ?= 2
 ARGS   ?=
 PORT   ?= 8000
-# -W: warnings are errors; -n: nitpicky (every reference must resolve); --all: re-execute
-# every chapter, since a changed lab must re-run even when its chapter did not change.
+# -W: warnings are errors; -n: nitpicky (every reference must resolve); --all: write every
+# page again. A chapter executes again only when its cells, or the labs, results or pinned
+# packages changed (scripts/book_cache.py empties the execution cache then).
 JB_FLAGS := --all -W -n --keep-going
 
 .PHONY: help venv book test pytest htmlcheck lab serve linkcheck notebooks clean
@@ -51,6 +52,7 @@ endif
 venv: $(VENV)/.installed
 
 book: venv
+	$(BIN)/python scripts/book_cache.py
 	$(BIN)/jupyter-book build . $(JB_FLAGS)
 
 # The labs and cost models; tests/book checks the built pages, after the book (htmlcheck).

@@ -1,10 +1,15 @@
 """The status page's table: every executed chapter in reading order, with its number,
-title, execution time and status. (myst-nb's own nb-exec-table lists
-documents by file name, in alphabetical order.)
+title, execution time in seconds and in units of the machine, and status, then the unit
+itself and the total. (myst-nb's own nb-exec-table lists documents by file name, in
+alphabetical order.) The unit, one bare 2-rank torchrun launch measured when the chapters
+were executed, comes from the execution cache's folder (scripts/book_cache.py).
 
     ```{chapter-times}
     ```
 """
+
+import json
+from pathlib import Path
 
 from docutils import nodes
 from myst_nb.ext.execution_tables import METADATA_KEY
@@ -12,6 +17,16 @@ from myst_nb.sphinx_ import NbMetadataCollector
 from sphinx.addnodes import pending_xref
 from sphinx.transforms.post_transforms import SphinxPostTransform
 from sphinx.util.docutils import SphinxDirective
+
+
+BUDGET_UNITS = 8   # per chapter (COURSE.md): one torchrun launch per world size
+UNIT_STATE = Path("_build") / ".jupyter_cache" / "book_inputs.json"
+
+
+def read_unit(srcdir):
+    """The unit's record (unit_s, unit_samples_s, hardware, measured), or None."""
+    path = Path(srcdir) / UNIT_STATE
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 class ChapterTimesNode(nodes.General, nodes.Element):
@@ -65,8 +80,10 @@ class ChapterTimesTransform(SphinxPostTransform):
 
     def run(self, **kwargs):
         data = NbMetadataCollector.get_doc_data(self.env)
+        unit = read_unit(self.env.srcdir)
+        unit_s = unit["unit_s"] if unit else None
         for node in list(self.document.findall(ChapterTimesNode)):
-            rows = []
+            rows, total = [], 0.0
             for docname in reading_order(self.env):
                 executed = data.get(docname, {}).get("exec_data")
                 if not executed:
@@ -79,11 +96,28 @@ class ChapterTimesTransform(SphinxPostTransform):
                 cell = nodes.paragraph()
                 cell += link
                 runtime = executed.get("runtime")
+                total += runtime or 0.0
+                units = None if runtime is None or unit_s is None else runtime / unit_s
+                status = "ok" if executed.get("succeeded") else "failed"
+                if units is not None and units > BUDGET_UNITS:
+                    status += ", over budget"
                 rows.append([".".join(map(str, number)) if number else "", cell,
                              "-" if runtime is None else f"{runtime:.1f}",
-                             "ok" if executed.get("succeeded") else "failed"])
-            node.replace_self(make_table(["", "chapter", "execution time (s)", "status"],
-                                         rows, [5, 60, 20, 15]))
+                             "-" if units is None else f"{units:.1f}", status])
+            rows.append(["", "all chapters", f"{total:.1f}",
+                         "-" if unit_s is None else f"{total / unit_s:.1f}", ""])
+            table = make_table(["", "chapter", "seconds", "units", "status"], rows,
+                               [5, 55, 15, 10, 15])
+            if unit is None:
+                text = ("The unit was not measured in this build (built without "
+                        "`make book`), so the times are in seconds only.")
+            else:
+                samples = ", ".join(f"{t:.2f}" for t in unit["unit_samples_s"])
+                text = (f"One unit here: {unit_s:.2f} s, the median of {samples} s for a bare "
+                        f"2-rank torchrun launch of labs/ranks.py, measured on "
+                        f"{unit['hardware']} at {unit['measured']}, when these chapters "
+                        f"were executed. Each chapter is kept within {BUDGET_UNITS} units.")
+            node.replace_self([table, nodes.paragraph(text=text)])
 
 
 def setup(app):

@@ -1,0 +1,84 @@
+"""Keep the book's execution cache honest, and measure the build's unit of time.
+
+jupyter-cache (the book's `execute_notebooks: cache`) knows a chapter by its own cells
+alone, but a chapter's outputs also depend on what its cells run: the labs, the committed
+results it draws, the scripts it starts, the pinned packages. This script hashes those;
+when the hash differs from the one the cache was filled under, or there is no cache, it
+empties the cache, so that every chapter executes again, and measures the unit the
+chapters' times are counted in: one bare 2-rank torchrun launch of labs/ranks.py, the
+median of 3 (COURSE.md, the budget). Both go into the cache's folder, beside the chapters
+executed under them; the status page reads them (book/_ext/chapter_times.py).
+
+    .venv/bin/python scripts/book_cache.py [--cache _build/.jupyter_cache]
+"""
+
+import argparse
+import datetime
+import hashlib
+import json
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+# What a chapter's execution depends on besides its own cells
+INPUTS = ["labs", "results", "scripts/slurm", "requirements.txt"]
+UNIT_RUNS = 3
+STATE = "book_inputs.json"   # in the cache's folder
+
+
+def inputs_hash(repo=REPO):
+    """One hash of every file under INPUTS (paths and contents), caches left out."""
+    digest = hashlib.sha256()
+    for name in INPUTS:
+        root = repo / name
+        files = [root] if root.is_file() else sorted(
+            p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+        for path in files:
+            digest.update(str(path.relative_to(repo)).encode() + b"\0")
+            digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def measure_unit():
+    """Seconds of a bare 2-rank torchrun launch of labs/ranks.py: each of UNIT_RUNS."""
+    sys.path.insert(0, str(REPO / "labs"))
+    from labkit.distenv import hardware_description
+    from labkit.launch import run_lab
+    import torch
+    samples = []
+    for _ in range(UNIT_RUNS):
+        start = time.perf_counter()
+        run_lab("ranks", 2, echo=False)
+        samples.append(time.perf_counter() - start)
+    return {"unit_s": statistics.median(samples), "unit_samples_s": samples,
+            "hardware": hardware_description(torch.device("cpu")),
+            "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                timespec="seconds")}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cache", type=Path, default=REPO / "_build" / ".jupyter_cache")
+    args = parser.parse_args()
+    state_file = args.cache / STATE
+    state = json.loads(state_file.read_text()) if state_file.is_file() else {}
+    current = inputs_hash()
+    if state.get("inputs_sha256") == current and "unit_s" in state:
+        print(f"book cache: labs, results and requirements unchanged; chapters whose cells "
+              f"did not change are reused (unit {state['unit_s']:.2f} s)")
+        return
+    if args.cache.exists():
+        print("book cache: labs, results or requirements changed: every chapter executes again")
+        shutil.rmtree(args.cache)
+    args.cache.mkdir(parents=True)
+    state = {"inputs_sha256": current, **measure_unit()}
+    state_file.write_text(json.dumps(state, indent=1) + "\n")
+    print(f"book cache: the unit, a bare 2-rank launch, takes {state['unit_s']:.2f} s here "
+          f"(median of {', '.join(f'{s:.2f}' for s in state['unit_samples_s'])})")
+
+
+if __name__ == "__main__":
+    main()
