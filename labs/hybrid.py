@@ -295,7 +295,7 @@ def main():
         try:
             result = env.write_result(args, run(args, env))
         except TimeoutError as error:
-            distenv.fail(str(error))
+            distenv.fail(str(error), every_rank=True)   # each stage says what it waited for
         if result is not None:
             report(env, result)
 

@@ -156,6 +156,9 @@ def run_one(name, shape, m, args, env, expected, handoffs):
     """Train schedule `name` with m micro-batches: its results (on every rank) and its last
     step's timeline."""
     pipeline = Pipeline(name, shape, m, args, env)
+    # the whole device, NCCL's streams included: the step ends when its last sends have
+    synchronize = ((lambda: torch.cuda.synchronize(env.device)) if env.device.type == "cuda"
+                   else (lambda: None))
     counter = comm_model.CollectiveCounter(env.world_size)
     # Bytes are counted over the second step: torch's schedules agree on their set-up by
     # sending a few bytes in their first. The timeline is the last step's; the counting
@@ -165,10 +168,12 @@ def run_one(name, shape, m, args, env, expected, handoffs):
         ids, targets = rank_batch(shape, args.batch, args.seed, step, 0, env.device)
         pipeline.clock.reset()
         counting = CountCollectives(counter) if step == counted else contextlib.nullcontext()
+        synchronize()   # nothing queued before the step is timed as the step's
         dist.barrier()
         start = time.perf_counter()
         with counting:
             pipeline.run_schedule(ids, targets, args.timeout)
+        synchronize()   # the step's last sends, queued on the GPU, are part of it
         elapsed = time.perf_counter() - start
         pipeline.optimizer.step()
         pipeline.optimizer.zero_grad(set_to_none=True)
@@ -371,7 +376,7 @@ def main():
         try:
             env.write_result(args, run(args, env))
         except TimeoutError as error:
-            distenv.fail(str(error))
+            distenv.fail(str(error), every_rank=True)   # each stage says what it waited for
 
 
 if __name__ == "__main__":

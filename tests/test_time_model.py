@@ -161,21 +161,26 @@ def test_the_pipeline_step_with_no_handoff_is_the_textbook_step():
 
 
 def test_a_handoff_lies_on_every_edge_of_the_critical_path():
-    # GPipe: 2(p - 1) handoffs in the fill and the drain. 1F1B's steady state waits on its
-    # neighbour after every micro-batch, so the same handoff costs it more (p = 3, m = 5:
-    # by hand, the last stage's F then B every round trip)
-    p, m, handoff = 3, 5, 0.1
-    gpipe = {s: [(op, i, s) for op, i in schedule_order("gpipe", p, s, m)] for s in range(p)}
-    ones = {s: [1.0 if op == "F" else 2.0 for op, _, _ in gpipe[s]] for s in range(p)}
-    assert time_model.pipeline_step_time(gpipe, ones, handoff) == pytest.approx(
-        (m + p - 1) * 3 + 2 * (p - 1) * handoff)
-    one_f_one_b = {s: [(op, i, s) for op, i in schedule_order("1f1b", p, s, m)]
-                   for s in range(p)}
-    assert time_model.pipeline_step_time(one_f_one_b, ones, handoff) > \
-        time_model.pipeline_step_time(gpipe, ones, handoff)
-    # what a rank spends before taking each input adds on its own path
-    before = {s: [0.5] * len(gpipe[s]) for s in range(p)}
-    assert time_model.pipeline_step_time(gpipe, ones, 0.0, before) > (m + p - 1) * 3
+    # m = 1: one micro-batch down and back, 2(p - 1) handoffs exactly. With more
+    # micro-batches a message leaves only once its receiver has posted the receive, so a
+    # stage still busy with the previous op pays the handoff again: never less than the
+    # fill and drain's 2(p - 1), and more as m grows.
+    p, handoff = 3, 0.1
+
+    def step(kind, m, latency, before=0.0):
+        orders = {s: [(op, i, s) for op, i in schedule_order(kind, p, s, m)] for s in range(p)}
+        durations = {s: [1.0 if op == "F" else 2.0 for op, _, _ in orders[s]] for s in range(p)}
+        waits = {s: [before] * len(orders[s]) for s in range(p)}
+        return time_model.pipeline_step_time(orders, durations, latency, waits)
+
+    for kind in ("gpipe", "1f1b"):
+        assert step(kind, 1, handoff) == pytest.approx(p * 3 + 2 * (p - 1) * handoff)
+        for m in (2, 5, 8):
+            assert step(kind, m, handoff) >= (m + p - 1) * 3 + 2 * (p - 1) * handoff - 1e-9
+            assert step(kind, m, handoff) - (m + p - 1) * 3 > \
+                step(kind, m - 1, handoff) - (m + p - 2) * 3 - 1e-9
+        # what a rank spends before taking each input adds on its own path
+        assert step(kind, 5, 0.0, before=0.5) > (5 + p - 1) * 3
 
 
 def test_a_schedule_whose_ranks_wait_on_each_other_is_refused():

@@ -258,9 +258,11 @@ def handoff_samples(stage, stages, shape, device, rounds, pause_s, group=None, r
                      prev_rank=ranks[stage - 1] if stage else None,
                      next_rank=ranks[stage + 1] if stage < stages - 1 else None,
                      activation_shape=shape, device=device)
+        if device.type == "cuda":   # the round ends when its last send has
+            torch.cuda.synchronize(device)
         mine = torch.tensor([time.perf_counter() - start,
                              sum(end - begin for *_, begin, end, _ in clock.events)],
-                            dtype=torch.float64)
+                            dtype=torch.float64, device=device)
         everyone = [torch.zeros_like(mine) for _ in range(stages)]
         dist.all_gather(everyone, mine, group=group)
         if round_:

@@ -185,7 +185,8 @@ def pipeline_step_time(orders, durations, handoff_s=0.0, before_input=None):
     the activations have reached this rank, a backward on piece k < last once piece
     k+1's backward of it has ended and the gradient has arrived. Reaching another rank
     takes `handoff_s`, the handoff: the message, and the wake-up of the process waiting for
-    it. `before_input` {rank: [seconds]}, if given, is what a rank spends after its
+    it, counted from when both the sender and the receiver have posted their side (gloo
+    and NCCL match a send with its receive before moving the data). `before_input` {rank: [seconds]}, if given, is what a rank spends after its
     previous op before it can take the next one's input (posting what the last op made).
     Pieces are numbered along the model (rank r holds pieces r, r + p, ...: one, or v
     chunks when interleaved).
@@ -209,9 +210,12 @@ def pipeline_step_time(orders, durations, handoff_s=0.0, before_input=None):
                 if needs is not None and needs not in ends:
                     break   # its input is not made yet: another rank goes first
                 ready = clock[rank] + (before_input[rank][at[rank]] if before_input else 0.0)
-                if needs is not None:
-                    ready = max(ready, ends[needs]
-                                + (handoff_s if where.get(needs) != rank else 0.0))
+                if needs is not None and where.get(needs) != rank:
+                    # a message leaves once both sides have posted (gloo and NCCL both
+                    # match a send with its receive first), then takes the handoff
+                    ready = max(ready, ends[needs]) + handoff_s
+                elif needs is not None:
+                    ready = max(ready, ends[needs])
                 clock[rank] = ends[(op, i, piece)] = ready + durations[rank][at[rank]]
                 at[rank] += 1
                 remaining -= 1
