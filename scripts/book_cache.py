@@ -29,8 +29,9 @@ UNIT_RUNS = 3
 STATE = "book_inputs.json"   # in the cache's folder
 
 
-def inputs_hash(repo=REPO):
+def inputs_hash(repo=None):
     """One hash of every file under INPUTS (paths and contents), caches left out."""
+    repo = REPO if repo is None else repo
     digest = hashlib.sha256()
     for name in INPUTS:
         root = repo / name
@@ -65,7 +66,7 @@ def main():
     args = parser.parse_args()
     state_file = args.cache / STATE
     state = json.loads(state_file.read_text()) if state_file.is_file() else {}
-    current = inputs_hash()
+    current = inputs_hash(REPO)
     if state.get("inputs_sha256") == current and "unit_s" in state:
         print(f"book cache: labs, results and requirements unchanged; chapters whose cells "
               f"did not change are reused (unit {state['unit_s']:.2f} s)")

@@ -84,3 +84,13 @@ def test_each_inline_script_once(name):
     # a second `const` declaration of the same name is a SyntaxError in the console
     declarations = re.findall(r"<script>\s*const (\w+)", page(name))
     assert len(declarations) == len(set(declarations)), declarations
+
+
+def test_the_status_page_gives_the_budget_in_units():
+    # every chapter's time in seconds and in units of a bare 2-rank launch measured in
+    # the same build, the unit itself, and no chapter failed
+    text = " ".join(text_of(page("status")).split())
+    assert "One unit here:" in text and "bare 2-rank torchrun launch" in text
+    rows = re.findall(r"(\d+(?:\.\d+)*) ([^\d]+?) (\d+\.\d) (\d+\.\d) (ok|failed)", text)
+    assert len(rows) == len(CHAPTERS), rows
+    assert all(status == "ok" for *_, status in rows)
