@@ -27,8 +27,10 @@ Launch lines (from the repository root):
   laptop, gloo on CPU:  torchrun --standalone --nproc_per_node=4 labs/pipeline.py \\
                           --microbatches 1,2,4,8 --compute-ms 5 --out pp4.json
   one process:          python labs/pipeline.py --schedule gpipe
-  GPU box, NCCL:        torchrun --standalone --nproc_per_node=8 labs/pipeline.py \\
-                          --layers 16 --hidden 1024 --heads 16 --seq 512 --out pp8.json
+  GPU box, NCCL (m >= p, or torch's 1F1B skips itself):
+                        torchrun --standalone --nproc_per_node=8 labs/pipeline.py \\
+                          --microbatches 8,16 --layers 16 --hidden 1024 --heads 16 \\
+                          --seq 512 --out pp8.json
   two nodes (run on each, HOST = node 0's address; stages 0-7 on node 0, 8-15 on 1):
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
              --rdzv-id=pp labs/pipeline.py --layers 16 --out pp16.json
@@ -44,7 +46,7 @@ peak_microbatches_in_flight and predicted_peak_microbatches_in_flight (one per s
 p2p_bytes_per_rank and predicted_p2p_bytes_per_rank (one per rank),
 ops_over_compute_ms}} for the first --microbatches value, and `timeline` {name: [{stage,
 op, microbatch, chunk, start_s, end_s, wait_s}]} of its last step, gathered from every
-rank (wait_s: when the stage waited for the op's input, for the from-scratch schedules);
+rank (wait_s: when the stage waited for the op's input);
 `sweep` [{microbatches, batch, schedules, skipped}] for every value, `skipped` saying why
 a torch schedule did not run (its 1F1B schedule needs m >= p; its interleaved one an m
 that its m // p rounds divide). P2P bytes are counted over the second step (torch's

@@ -79,7 +79,8 @@ def fail(message, every_rank=None):
         every_rank = isinstance(sys.exc_info()[1], (RuntimeError, OSError))
     # printed here, before the `with initialize()` block's clean-up runs, not at exit
     if every_rank or os.environ.get("RANK", "0") == "0":
-        print(line, file=sys.stderr, flush=True)
+        sys.stderr.write(line + "\n")   # one write: two ranks' lines never run together
+        sys.stderr.flush()
     elif "WORLD_SIZE" in os.environ:
         time.sleep(QUIET_EXIT_WAIT_S)
     raise LabInputError(line)

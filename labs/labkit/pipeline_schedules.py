@@ -71,9 +71,15 @@ class OpClock:
 
     def reset(self):
         self.events, self.over_budget = [], 0
+        self.last_wait = None   # (start, end) of the latest wait for input, if told
+
+    def waited(self, start, end):
+        """Note a wait for input that the next op's caller cannot pass (torch's stages)."""
+        self.last_wait = (start, end)
 
     @contextlib.contextmanager
     def op(self, kind, microbatch, piece=0, wait=None):
+        wait, self.last_wait = wait or self.last_wait, None
         self.synchronize()
         start = time.perf_counter()
         with _disable_current_modes() if self.hide_modes else contextlib.nullcontext():
@@ -91,8 +97,22 @@ class OpClock:
 def timed_torch_stage(clock):
     """torch's PipelineStage, with every forward and backward of a micro-batch timed (and
     padded) by `clock`: the same span as run_schedule times, the work of one op without
-    the wait for its input or the sending of its output."""
-    from torch.distributed.pipelining import PipelineStage
+    the wait for its input or the sending of its output. The schedules' waits for their
+    messages are timed too (the clock's last wait before an op; patched into torch's
+    schedules module, in the lab's own process)."""
+    from torch.distributed.pipelining import PipelineStage, schedules
+
+    # torch's schedules wait for their sends and receives in one function: timing it tells
+    # the clock when a stage waited for its next op's input, as run_schedule does itself
+    untimed_wait = getattr(schedules._wait_batch_p2p, "untimed", schedules._wait_batch_p2p)
+
+    def timed_wait(work):
+        start = time.perf_counter()
+        untimed_wait(work)
+        clock.waited(start, time.perf_counter())
+
+    timed_wait.untimed = untimed_wait
+    schedules._wait_batch_p2p = timed_wait
 
     class TimedStage(PipelineStage):
         def forward_one_chunk(self, chunk_id, *args, **kwargs):
