@@ -38,19 +38,20 @@ Launch lines (from the repository root):
 JSON: `pp`, `shape`, `batch`, `compute_ms`, `handoff_latency_samples_s`; `schedules`
 {name: {max_param_diff, expected_equal, step_time_s, bubble_fraction (idle time over p x
 step time, from the timeline), predicted_bubble_fraction (the textbook formula),
-handoff_latency_s and handoff_latency_range_s (the median, smallest and largest of this
-launch's handoff samples), predicted_bubble_fraction_with_handoff (the step's critical
-path through its ops as they ran, joined by the median handoff) and
-predicted_bubble_fraction_with_handoff_range (by the smallest and largest),
-peak_microbatches_in_flight and predicted_peak_microbatches_in_flight (one per stage),
-p2p_bytes_per_rank and predicted_p2p_bytes_per_rank (one per rank),
-ops_over_compute_ms}} for the first --microbatches value, and `timeline` {name: [{stage,
-op, microbatch, chunk, start_s, end_s, wait_s}]} of its last step, gathered from every
-rank (wait_s: when the stage waited for the op's input);
-`sweep` [{microbatches, batch, schedules, skipped}] for every value, `skipped` saying why
-a torch schedule did not run (its 1F1B schedule needs m >= p; its interleaved one an m
-that its m // p rounds divide). P2P bytes are counted over the second step (torch's
-schedules exchange a few bytes of set-up in their first), the timeline is the last step's.
+handoff_latency_s and handoff_latency_range_s (the median and smallest of this launch's
+handoff samples, and the largest plus the latest wake-up of the step's own ops),
+predicted_bubble_fraction_with_handoff (the step's critical path through its ops as they
+ran, joined by the median handoff) and predicted_bubble_fraction_with_handoff_range (by
+the smallest and largest), peak_microbatches_in_flight and
+predicted_peak_microbatches_in_flight (one per stage), p2p_bytes_per_rank and
+predicted_p2p_bytes_per_rank (one per rank), ops_over_compute_ms}} for the first
+--microbatches value, and `timeline` {name: [{stage, op, microbatch, chunk, start_s,
+end_s, wait_s}]} of its last step, gathered from every rank (wait_s: when the stage
+waited for the op's input); `sweep` [{microbatches, batch, schedules, skipped}] for every
+value, `skipped` saying why a torch schedule did not run (its 1F1B schedule needs m >= p;
+its interleaved one an m that its m // p rounds divide). P2P bytes are counted over the
+second step (torch's schedules exchange a few bytes of set-up in their first), the
+timeline is the last step's.
 The handoff between stages (a message and the wake-up of the rank waiting for it) is
 measured once per launch: micro-batches sent down the pipeline and back, with ops as long
 as the schedules' (labkit.pipeline_schedules.handoff_samples).
@@ -212,8 +213,12 @@ def run_one(name, shape, m, args, env, expected, handoffs):
             before_input[rank].append(max(0.0, wait_start - previous))
             durations[rank].append(e["end_s"] - in_hand)
             previous = e["end_s"]
-    handoff = ((statistics.median(handoffs), min(handoffs), max(handoffs)) if handoffs
-               else (0.0,) * 3)
+    # A wake-up as late as the latest this step saw (an op that overran its controlled
+    # time overran by a late wake-up from its sleep) may hit any handoff: the range's top
+    # adds it to the largest sample, so a busy machine widens the range by what it showed.
+    late = latest_wakeup(ranks, pipeline.clock.compute_s)
+    handoff = ((statistics.median(handoffs), min(handoffs), max(handoffs) + late)
+               if handoffs else (0.0, 0.0, late))
     with_handoff = [time_model.pipeline_bubble_with_handoff(orders, durations, latency,
                                                             before_input, busy)
                     for latency in handoff]
@@ -248,11 +253,21 @@ BUBBLE_MARGIN = 0.03
 
 def bubble_bounds(result):
     """(lowest, highest) bubble a schedule's `result` may measure: the prediction with
-    the handoff at the launch's smallest and largest handoff sample, widened by
-    BUBBLE_MARGIN. What a busy machine adds shows in the handoff samples, so the bounds
-    widen with the same run's own spread, not with a constant chosen for one machine."""
+    the handoff at the launch's smallest handoff sample, and at its largest plus the
+    step's latest wake-up, widened by BUBBLE_MARGIN. What a busy machine adds shows in
+    those, so the bounds widen with the same run's own spread, not with a constant
+    chosen for one machine."""
     low, high = result["predicted_bubble_fraction_with_handoff_range"]
     return low - BUBBLE_MARGIN, high + BUBBLE_MARGIN
+
+
+def latest_wakeup(ranks, compute_s):
+    """Seconds the latest op of a controlled-time step overran its set length by (its
+    sleep's wake-up, late on a busy machine); 0 without controlled time."""
+    if compute_s is None:
+        return 0.0
+    return max([0.0] + [e["end_s"] - e["start_s"] - compute_s * (1 if e["op"] == "F" else 2)
+                        for r in ranks for e in r["events"]])
 
 
 def peak_in_flight(events):
