@@ -116,7 +116,7 @@ class ChapterTimesTransform(SphinxPostTransform):
                 text = (f"One unit here: {unit_s:.2f} s, the median of {samples} s for a bare "
                         f"2-rank torchrun launch of labs/ranks.py, measured on "
                         f"{unit['hardware']} at {unit['measured']}, when these chapters "
-                        f"were executed. Each chapter is kept within {BUDGET_UNITS} units.")
+                        f"were executed. The budget is {BUDGET_UNITS} units a chapter.")
             node.replace_self([table, nodes.paragraph(text=text)])
 
 
