@@ -1,5 +1,5 @@
 """Chapter 1's lab: averaged gradients over N ranks equal one step on the whole batch.
-The chapter runs it at N = 4 and asserts the same; here N = 1, 2 and 3 (odd)."""
+The chapter runs it at N = 4 and asserts the same; here N = 1 and 3 (odd)."""
 
 import pytest
 import torch
@@ -12,7 +12,7 @@ CORRECT = ["ddp", "manual_allreduce", "grad_accumulation"]
 PITFALLS = ["sum_not_mean", "no_set_epoch", "unequal_shards"]
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3])
+@pytest.fixture(scope="module", params=[1, 3])   # the chapter runs N = 4
 def result(request):
     n = request.param
     # two steps into the second epoch: enough for no_set_epoch to part ways

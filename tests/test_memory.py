@@ -1,7 +1,7 @@
 """The memory lab: predict against the ZeRO paper, measure against predict in torch's own
 DDP, ZeroRedundancyOptimizer and FSDP2. The chapter measures every strategy on real ranks
 at N = 1 and 4 and on simulated ones at N = 2, 3, 4, 8, 32, 128 and 1024, and asserts each;
-here real ranks at N = 2 and 3, a simulated N = 64, the calculator, and bad input."""
+here real ranks at N = 3 (odd), a simulated N = 64, the calculator, and bad input."""
 
 import json
 
@@ -69,7 +69,7 @@ def check_measurement(row, strategy, world_size):
     assert row["step_counter_bytes"] % 4 == 0 and row["step_counter_bytes"] > 0
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [3])   # the chapter runs 1 and 4 (and 2 simulated)
 def test_real_ranks_hold_what_the_layout_predicts(world_size):
     result = run_lab("memory", world_size, ["measure", "--strategy", "all"], echo=False)
     assert result["simulated"] is False and result["world_size"] == world_size
