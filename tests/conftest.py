@@ -21,8 +21,8 @@ sys.path.insert(0, str(LABS))
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "timed: measures time against a bound (the pipeline bubble under "
-                   "controlled time); `make test` runs these alone, after the others, which "
-                   "run two files at a time")
+                   "controlled time) that the same run's own measurements set, so they hold "
+                   "on a busy machine; `-m timed` runs them alone")
 
 
 # `make test` runs the test files two at a time, handing each worker the next file in

@@ -15,7 +15,7 @@ from labkit.pipeline_schedules import schedule_order
 
 
 SHAPE = pipeline.SHAPE
-# the runs under controlled time (the result fixture's): `make test` runs them alone
+# the runs under controlled time (the result fixture's), marked: `-m timed` selects them
 ALONE = pytest.mark.timed
 COMPUTE_MS = 6
 TIMED = ["--compute-ms", COMPUTE_MS]
