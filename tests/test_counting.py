@@ -64,3 +64,13 @@ def test_activations_of_one_layer_are_the_formula_plus_layernorm_statistics():
         shape.seq, batch, shape.hidden, shape.heads, value_bytes=4, dropout=False
     ) + memory_model.layer_norm_statistics_bytes(shape.seq, batch)
     assert set(kept) == {0, 1, "outside"}
+
+
+def test_table_cells_keep_their_numbers_whole():
+    # a narrow screen may break after the minus of an exponent, at a range's dash, and
+    # between a number and its unit; table() joins them, and leaves words alone
+    from labkit.notebook import keep_whole
+    assert keep_whole("3.0e-08") == "3.0e\u201108"
+    assert keep_whole("4.97–5.75") == "4.97\u2060–\u20605.75"
+    assert keep_whole("17.2 GB") == "17.2\u00a0GB" and keep_whole("12 %") == "12\u00a0%"
+    assert keep_whole("3 layers") == "3 layers" and keep_whole("all-reduce") == "all-reduce"

@@ -16,6 +16,7 @@ enough to read on a phone, where a figure shrinks to 360 pixels.
 """
 
 import numbers
+import re
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -62,10 +63,21 @@ def glue(name, value):
 
 def table(header, rows):
     """A Markdown table from a header and rows of cells (formatted already, or anything
-    whose str() reads well)."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(map(str, row)) + " |" for row in rows]
+    whose str() reads well). A number stays whole on a narrow screen (keep_whole)."""
+    lines = ["| " + " | ".join(map(keep_whole, header)) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(keep_whole(cell) for cell in row) + " |" for row in rows]
     return Markdown("\n".join(lines))
+
+
+def keep_whole(cell):
+    """A table cell's text with no line break inside a number: a browser may break after
+    the hyphen of 3.0e-08, at the dash of 4.97–5.75 and at the space of 17.2 GB, so the
+    exponent's minus becomes a non-breaking hyphen, the range's dash is joined to its
+    numbers, and a number keeps its unit (a no-break space)."""
+    text = str(cell)
+    text = re.sub(r"(?<=\d)e-(?=\d)", "e\u2011", text)
+    text = re.sub(r"(?<=\d)–(?=\d)", "\u2060–\u2060", text)
+    return re.sub(r"(?<=\d) (?=(?:[kMGTP]?B(?:/s)?|ms|µs|s|%)(?!\w))", "\u00a0", text)
 
 
 def _three_digits(value):
