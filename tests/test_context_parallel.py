@@ -66,7 +66,8 @@ def test_bytes_collectives_and_kept_attention_by_hand(result):
         grads + L * 2 * Fraction(n - 1, n) * 4 * (3 * sbh + sbh) / n)
     # attention probabilities kept over the L layers, fp32, the same on every rank
     c = S // (2 * n)
-    assert variants["allgather"]["activation_bytes_per_rank"] == [4 * L * A * S // n * S * BATCH] * n
+    assert variants["allgather"]["activation_bytes_per_rank"] == [4 * L * A * S // n * S
+                                                                  * BATCH] * n
     assert variants["ulysses"]["activation_bytes_per_rank"] == [4 * L * A // n * S * S * BATCH] * n
     assert variants["ring"]["activation_bytes_per_rank"] == [4 * L * A * c * c * BATCH
                                                              * (2 * n + 1)] * n
@@ -157,7 +158,9 @@ def test_kept_attention_and_llama_layer_by_hand():
     # at N = 1 the all-gather keeps the whole layer's matrix, a s^2 b values
     assert kept("allgather", 8, 2, 3, 1, value_bytes=1) == [3 * 64 * 2]
     layer = memory_model.context_parallel_layer_activation_bytes
-    assert layer(16, 1, 8, 2, 4, 2, attention_matrix=True, value_bytes=1) == 16 * 4 * 8 / 2 + 2 * 4 * 16 / 2
+    # 4 tokens per rank: 16 sbh values over t = 2, and the matrix's a (s/N) s b over t
+    assert layer(16, 1, 8, 2, 4, 2, attention_matrix=True, value_bytes=1) == (
+        16 * 4 * 8 / 2 + 2 * 4 * 16 / 2)
     assert layer(16, 1, 8, 2, 4, 2) == 2 * 16 * 4 * 8 / 2 + 4 * 2 * 4 / 2
 
 
