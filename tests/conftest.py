@@ -31,7 +31,8 @@ def pytest_configure(config):
 # idles; the rest follow in their usual order.
 HEAVY_FIRST = ("test_hybrid.py", "test_grad_averaging.py", "test_memory.py", "test_hang.py",
                "test_fsdp.py", "test_distenv.py", "test_tensor_parallel.py",
-               "test_mini_ddp.py", "test_checkpoint.py", "test_zero_libraries.py")
+               "test_context_parallel.py", "test_mini_ddp.py", "test_checkpoint.py",
+               "test_zero_libraries.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -426,3 +426,44 @@ def tensor_parallel_break_even_tp(hidden, flops_per_s, bytes_per_s, value_bytes=
     compute): 1 + 9 h beta / (value_bytes R). Past it, doubling t saves less compute than
     it adds communication, unless the communication is hidden."""
     return 1 + 9 * hidden * bytes_per_s / (value_bytes * flops_per_s)
+
+
+# Context parallelism: each rank holds s/N of every sequence's tokens and all the weights.
+
+CP_METHODS = ("ring", "allgather", "ulysses")
+
+
+def context_parallel_layer_values(method, seq, batch, hidden, cp, kv_hidden=None):
+    """Values one rank sends for one layer's attention, forward and backward, exactly (a
+    Fraction). h_kv = kv_hidden (key-value heads x head size; h without grouped-query
+    attention).
+      ring       N-1 steps pass this rank's K and V block (2 b s/N h_kv) on, forward, and
+                 their gradients back, backward: 4 (N-1)/N b s h_kv
+      allgather  all-gather K and V (2 b s h_kv), reduce-scatter their gradients back:
+                 the same 4 (N-1)/N b s h_kv, in two collectives instead of 2 (N-1) sends
+      ulysses    all-to-all of Q, K and V to whole heads and of the output back, forward and
+                 backward, each rank keeping 1/N: 2 (N-1)/N^2 b s (2 h + 2 h_kv)"""
+    kv_hidden = hidden if kv_hidden is None else kv_hidden
+    if method in ("ring", "allgather"):
+        return Fraction(4 * (cp - 1), cp) * batch * seq * kv_hidden
+    if method == "ulysses":
+        return Fraction(2 * (cp - 1), cp * cp) * batch * seq * (2 * hidden + 2 * kv_hidden)
+    raise ValueError(f"unknown method {method!r}; choose from {', '.join(CP_METHODS)}")
+
+
+def context_parallel_collectives(method, layers, seq, batch, hidden, cp, params):
+    """[(op, elements of the full tensor)] one training step of the course's transformer
+    issues under context parallelism of degree cp (context_parallel_layer_values, per
+    layer), and the one all-reduce of the `params` gradients that every rank then sums
+    (each saw s/N of the tokens). The ring's sends and receives are point-to-point ops of
+    one rank's K and V (its receives send nothing); all-to-alls count each rank's input."""
+    sbh = seq * batch * hidden
+    if method == "ring":
+        per_layer = [("send", 2 * sbh // cp), ("recv", 2 * sbh // cp)] * (2 * (cp - 1))
+    elif method == "allgather":
+        per_layer = [("all_gather", 2 * sbh), ("reduce_scatter", 2 * sbh)]
+    elif method == "ulysses":
+        per_layer = [("all_to_all", 3 * sbh // cp), ("all_to_all", sbh // cp)] * 2
+    else:
+        raise ValueError(f"unknown method {method!r}; choose from {', '.join(CP_METHODS)}")
+    return per_layer * layers + [("all_reduce", params)]

@@ -440,3 +440,46 @@ def config_bytes_per_gpu(layers, hidden, heads, seq, vocab, dp=1, pp=1, tp=1, st
         if worst is None or row["total"] > worst["total"]:
             worst = row
     return worst
+
+
+# Context parallelism: the attention matrix each rank keeps
+
+def context_parallel_attention_matrix_bytes(method, seq, batch, heads, cp, layout="zigzag",
+                                            value_bytes=4):
+    """[bytes of attention probabilities one layer keeps for backward on rank r]: the
+    softmax's output, which the product with V saves (the scores before it are not kept).
+      allgather  the rank's s/N queries against all s keys, masked, not skipped:
+                 a (s/N) s b values
+      ulysses    a/N whole heads over the whole sequence: a/N s^2 b values
+      ring       only the blocks its causal mask does not wholly hide
+                 (time_model.causal_chunk_pairs), each a c^2 b values for chunks of c
+                 tokens: under zig-zag (2N + 1)/(4N) of the all-gather's matrix
+    Without context parallelism (N = 1) allgather and ulysses keep a s^2 b, the whole
+    layer's matrix (activation_bytes_per_layer's a s^2 b)."""
+    from .time_model import causal_chunk_pairs
+    if method == "allgather":
+        return [value_bytes * heads * (seq // cp) * seq * batch] * cp
+    if method == "ulysses":
+        return [value_bytes * (heads // cp) * seq * seq * batch] * cp
+    if method == "ring":
+        c = seq // (cp if layout == "contiguous" else 2 * cp)
+        return [value_bytes * heads * c * c * batch * pairs
+                for pairs in causal_chunk_pairs(cp, layout)]
+    raise ValueError(f"unknown method {method!r}")
+
+
+def context_parallel_layer_activation_bytes(seq, batch, hidden, heads, cp, tp=1,
+                                            attention_matrix=False, value_bytes=2):
+    """Bytes one layer of the course's shape keeps on a GPU of a cp x tp group, tensor- and
+    sequence-parallel over tp, no dropout: its s/cp tokens' 16 sbh values split over tp
+    (Korthikanti et al.'s count), and, if the attention matrix is kept (no fused kernel),
+    a (s/cp) s b / tp more values. A fused (flash) kernel keeps instead one fp32 log-sum-exp
+    per query and head, a (s/cp) b / tp values of 4 bytes."""
+    tokens = seq // cp
+    values = 16 * tokens * batch * hidden / tp
+    if attention_matrix:
+        values += heads * tokens * seq * batch / tp
+        extra = 0
+    else:
+        extra = 4 * heads * tokens * batch / tp
+    return _whole_if_integral(value_bytes * values + extra)

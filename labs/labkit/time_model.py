@@ -236,3 +236,47 @@ def pipeline_bubble_with_handoff(orders, durations, handoff_s, before_input=None
         busy = sum(sum(times) for times in durations.values())
     step = pipeline_step_time(orders, durations, handoff_s, before_input)
     return 1 - busy / (len(orders) * step)
+
+
+# Context parallelism: which chunks of the sequence each rank holds, and the attention work
+# that leaves each rank under a causal mask.
+
+CP_LAYOUTS = ("contiguous", "zigzag")
+
+
+def context_parallel_chunks(cp, layout):
+    """[chunks of rank r]: the sequence cut into equal chunks, numbered in order.
+    contiguous  cp chunks, rank r holds chunk r;
+    zigzag      2 cp chunks, rank r holds chunks r and 2 cp - 1 - r (one from the start,
+                one from the end), so every rank has as many early as late tokens."""
+    if layout == "contiguous":
+        return [[r] for r in range(cp)]
+    if layout == "zigzag":
+        return [[r, 2 * cp - 1 - r] for r in range(cp)]
+    raise ValueError(f"unknown layout {layout!r}; choose from {', '.join(CP_LAYOUTS)}")
+
+
+def causal_chunk_pairs(cp, layout):
+    """[blocks rank r computes]: the (query chunk, key chunk) pairs its queries meet under a
+    causal mask, key chunk <= query chunk. A pair with the key chunk after the query chunk
+    is all masked and skipped; the diagonal one is half masked and computed whole. A chunk
+    q meets q + 1 chunks: contiguous ranks r + 1 blocks, zig-zag ranks 2 cp + 1 each."""
+    return [sum(q + 1 for q in chunks) for chunks in context_parallel_chunks(cp, layout)]
+
+
+def ring_attention_flops_by_rank(seq, batch, hidden, cp, layout):
+    """[forward FLOPs of attention's two products on rank r]: each block of c x c tokens
+    (c = s / chunks) costs Q K^T and P V, 2 c^2 h FLOPs each per sequence (h = heads x head
+    size): 4 b c^2 h per block, times causal_chunk_pairs. Contiguous: rank r does r + 1
+    times rank 0's work; zig-zag: every rank the same."""
+    chunks = cp if layout == "contiguous" else 2 * cp
+    c = seq // chunks
+    return [4 * batch * c * c * hidden * pairs for pairs in causal_chunk_pairs(cp, layout)]
+
+
+def ring_overlap_min_tokens(hidden, kv_hidden, flops_per_s, bytes_per_s, value_bytes=2):
+    """Tokens per rank (s / N) from which one ring step's transfer (the next block's K and V,
+    2 b n h_kv values) takes no longer than its block's forward products (4 b n^2 h FLOPs,
+    a block wholly in the past): n >= value_bytes h_kv R / (2 h beta). Below it the ring
+    waits on the link; above it the sends hide behind the computation."""
+    return value_bytes * kv_hidden * flops_per_s / (2 * hidden * bytes_per_s)

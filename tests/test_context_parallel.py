@@ -1,0 +1,170 @@
+"""The context-parallel lab: ring, all-gather and Ulysses attention against one process,
+every byte, kept attention matrix and attention FLOP against the cost models. The chapter
+runs N = 2 and 4 and asserts the same (context_parallel.md, hidden cells); here N = 1 (a
+plain process) and 3 (odd), the refusals, a missing peer, and the cost models by hand."""
+
+import socket
+from fractions import Fraction
+
+import pytest
+
+import context_parallel
+from conftest import assert_fails_with_one_line, assert_refused
+from labkit import comm_model, memory_model, time_model
+from labkit.launch import run_lab
+from labkit.transformer import Shape
+
+SHAPE, BATCH = context_parallel.SHAPE, context_parallel.BATCH
+L, H, A, S, V = SHAPE.layers, SHAPE.hidden, SHAPE.heads, SHAPE.seq, SHAPE.vocab
+CORRECT = ("ring", "allgather", "ulysses")
+
+
+@pytest.fixture(scope="module", params=[1, 3])
+def result(request):
+    n = request.param
+    return run_lab("context_parallel", None if n == 1 else n, echo=False)
+
+
+def test_the_result_says_where_it_came_from(result):
+    for key in ("lab", "world_size", "backend", "device", "hardware", "torch_version",
+                "created", "args"):
+        assert key in result, key
+    assert result["cp"] == result["world_size"] and result["layout"] == "zigzag"
+    assert result["args"]["steps"] == context_parallel.STEPS
+    ran = set(result["variants"]) | set(result["skipped"])
+    assert ran == set(context_parallel.VARIANTS)
+
+
+def test_correct_variants_match_one_process_and_the_pitfalls_do_not(result):
+    n = result["cp"]
+    for name, v in result["variants"].items():
+        if name in CORRECT or name == "torch_cp" or (name == "ring_local_mask" and n == 1):
+            assert v["expected_equal"] and v["max_param_diff"] <= 1e-5, (n, name)
+        else:   # the unscaled merge is wrong even on one rank: two chunks still merge
+            assert not v["expected_equal"] and v["max_param_diff"] > 1e-4, (n, name)
+    if result["device"] == "cpu":
+        assert result["skipped"] == {"torch_cp": context_parallel.TORCH_CP_ON_CPU}
+
+
+def test_bytes_collectives_and_kept_attention_by_hand(result):
+    n, variants = result["cp"], result["variants"]
+    psi = memory_model.transformer_params(L, H, V, S)
+    grads = Fraction(2 * (n - 1), n) * 4 * psi       # the gradients' ring all-reduce
+    sbh = S * BATCH * H
+    for v in variants.values():
+        if v["predicted_collectives"] is not None:
+            assert v["collectives"] == v["predicted_collectives"]
+            assert v["comm_bytes_per_rank"] == v["predicted_comm_bytes_per_rank"]
+    ring = variants["ring"]
+    assert ring["collectives"] == ({"all_reduce": 1} if n == 1 else
+                                   {"send": 2 * (n - 1) * L, "recv": 2 * (n - 1) * L,
+                                    "all_reduce": 1})
+    # K and V of s/N tokens, forward, then their gradients back: 2 (N-1) sends per layer
+    assert ring["comm_bytes_per_rank"] == round(grads + L * 2 * (n - 1) * 4 * 2 * sbh / n)
+    assert variants["allgather"]["comm_bytes_per_rank"] == ring["comm_bytes_per_rank"]
+    assert variants["ulysses"]["comm_bytes_per_rank"] == round(
+        grads + L * 2 * Fraction(n - 1, n) * 4 * (3 * sbh + sbh) / n)
+    # attention probabilities kept over the L layers, fp32, the same on every rank
+    c = S // (2 * n)
+    assert variants["allgather"]["activation_bytes_per_rank"] == [4 * L * A * S // n * S
+                                                                  * BATCH] * n
+    assert variants["ulysses"]["activation_bytes_per_rank"] == [4 * L * A // n * S * S * BATCH] * n
+    assert variants["ring"]["activation_bytes_per_rank"] == [4 * L * A * c * c * BATCH
+                                                             * (2 * n + 1)] * n
+    for name in CORRECT:
+        v = variants[name]
+        assert v["activation_bytes_per_rank"] == v["predicted_activation_bytes_per_rank"]
+
+
+def test_attention_flops_contiguous_unbalanced_zigzag_balanced(result):
+    n = result["cp"]
+    flops = result["attention_flops_by_rank"]
+    assert flops == result["predicted_attention_flops_by_rank"]
+    block = 4 * BATCH * (S // n) ** 2 * H            # one s/N x s/N block, both products
+    assert flops["contiguous"] == [block * (r + 1) for r in range(n)]
+    assert flops["zigzag"] == [block // 4 * (2 * n + 1)] * n
+
+
+def test_a_split_the_degree_cannot_make_is_refused_in_one_line():
+    check = context_parallel.check_split
+    with pytest.raises(SystemExit, match=r"error: --seq 20 does not split into 8 equal "
+                                         r"chunks \(the zigzag layout over 4 ranks\)$"):
+        check(Shape(L, H, A, 20, V), ["ring"], 4)
+    check(Shape(L, H, A, 20, V), ["ring"], 4, layout="contiguous")   # 4 chunks of 5
+    with pytest.raises(SystemExit, match="--seq 21 does not split into 2 equal chunks"):
+        check(Shape(L, H, A, 21, V), ["ring"], 2, layout="contiguous")
+    with pytest.raises(SystemExit, match="--heads 10 does not split over 4 ranks: ulysses"):
+        check(Shape(L, 40, 10, 24, V), ["ring", "ulysses"], 4)
+    check(Shape(L, 40, 10, 24, V), ["ring", "allgather"], 4)   # without Ulysses it runs
+
+
+def test_bad_options_are_refused_in_one_line(script):
+    parse = context_parallel.parse_args
+    assert_refused(parse, ["--steps", 0], "--steps must be at least 1")
+    assert_refused(parse, ["--variants", "ring,bogus"], "invalid choice: 'bogus'")
+    assert_refused(parse, ["--hidden", 50, "--heads", 12],
+                   "--hidden 50 is not divisible by --heads 12")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_missing_peer_times_out_with_one_line(script):
+    # rank 0 of a world of 2 whose rank 1 never comes
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    done = script("context_parallel", "--timeout", 2, env_extra=env, timeout=60)
+    assert_fails_with_one_line(done, "did not form within --timeout 2 s")
+
+
+# the cost models, by hand
+
+def test_layouts_and_causal_work():
+    assert time_model.context_parallel_chunks(3, "zigzag") == [[0, 5], [1, 4], [2, 3]]
+    assert time_model.context_parallel_chunks(3, "contiguous") == [[0], [1], [2]]
+    assert time_model.causal_chunk_pairs(4, "contiguous") == [1, 2, 3, 4]
+    assert time_model.causal_chunk_pairs(4, "zigzag") == [9] * 4
+    # s = 16, b = 1, h = 8, N = 2: blocks of 8 tokens cost 4 * 64 * 8 FLOPs
+    assert time_model.ring_attention_flops_by_rank(16, 1, 8, 2, "contiguous") == [2048, 4096]
+    assert time_model.ring_attention_flops_by_rank(16, 1, 8, 2, "zigzag") == [2560, 2560]
+    with pytest.raises(ValueError, match="unknown layout"):
+        time_model.context_parallel_chunks(2, "striped")
+
+
+def test_bytes_per_layer_by_hand():
+    values = comm_model.context_parallel_layer_values
+    # s = 8, b = 1, h = 4, N = 4: the ring and the all-gather 4 * 3/4 * 32, Ulysses
+    # 2 * 3/16 * 8 * (8 + 8)
+    assert values("ring", 8, 1, 4, 4) == values("allgather", 8, 1, 4, 4) == 96
+    assert values("ulysses", 8, 1, 4, 4) == 48
+    assert values("allgather", 8, 1, 4, 4, kv_hidden=1) == 24           # GQA: 1/4 of it
+    assert values("ring", 8, 1, 4, 1) == values("ulysses", 8, 1, 4, 1) == 0
+    # a training step's plan adds up to L layers of it and the gradients' all-reduce
+    for method in comm_model.CP_METHODS:
+        plan = comm_model.context_parallel_collectives(method, 3, 8, 1, 4, 4, params=100)
+        sent, _ = comm_model.collectives_summary(plan, 4, value_bytes=1)
+        assert sent == 3 * values(method, 8, 1, 4, 4) + Fraction(3, 2) * 100
+
+
+def test_kept_attention_and_llama_layer_by_hand():
+    kept = memory_model.context_parallel_attention_matrix_bytes
+    assert kept("allgather", 8, 1, 2, 2, value_bytes=1) == [2 * 4 * 8] * 2
+    assert kept("ulysses", 8, 1, 2, 2, value_bytes=1) == [1 * 8 * 8] * 2
+    assert kept("ring", 8, 1, 2, 2, value_bytes=1) == [2 * 2 * 2 * 5] * 2   # 2N+1 blocks of 2x2
+    assert kept("ring", 8, 1, 1, 2, "contiguous", value_bytes=1) == [16, 32]
+    # at N = 1 the all-gather keeps the whole layer's matrix, a s^2 b values
+    assert kept("allgather", 8, 2, 3, 1, value_bytes=1) == [3 * 64 * 2]
+    layer = memory_model.context_parallel_layer_activation_bytes
+    # 4 tokens per rank: 16 sbh values over t = 2, and the matrix's a (s/N) s b over t
+    assert layer(16, 1, 8, 2, 4, 2, attention_matrix=True, value_bytes=1) == (
+        16 * 4 * 8 / 2 + 2 * 4 * 16 / 2)
+    assert layer(16, 1, 8, 2, 4, 2) == 2 * 16 * 4 * 8 / 2 + 4 * 2 * 4 / 2
+
+
+def test_ring_overlap_threshold_by_hand():
+    # n >= v h_kv R / (2 h beta): 2 bytes, R = 1e15, beta = 1e11, MHA -> 10,000 tokens
+    assert time_model.ring_overlap_min_tokens(8, 8, 1e15, 1e11) == pytest.approx(10000)
+    assert time_model.ring_overlap_min_tokens(8, 1, 1e15, 1e11) == pytest.approx(1250)
