@@ -478,3 +478,14 @@ def allgather_dispatch_bytes(tokens, hidden, top_k, world_size, value_bytes=4,
     hidden_rows = 4 * gather * hidden * value_bytes
     gates = 2 * gather * top_k * value_bytes
     return hidden_rows + gates + gather * top_k * index_bytes
+
+
+def expected_nodes_reached(experts, nodes, top_k, node_limit=None):
+    """Nodes a token's top_k experts sit on, in expectation, when its experts are any k of
+    E (uniform routing) spread evenly over `nodes` nodes: each node is missed with
+    probability C(E - E/nodes, k) / C(E, k). With node-limited routing (DeepSeek-V3 §2.1.2)
+    a token reaches at most `node_limit` of them."""
+    per_node = experts // nodes
+    missed = Fraction(math.comb(experts - per_node, top_k), math.comb(experts, top_k))
+    reached = nodes * (1 - missed)
+    return reached if node_limit is None else min(reached, node_limit)
