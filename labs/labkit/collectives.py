@@ -30,10 +30,25 @@ _COLLECTIVES = {
     "all_gather_into_tensor": ("all_gather", lambda args: _nbytes(args[0]) * args[1]),
     "reduce_scatter_tensor": ("reduce_scatter", lambda args: _nbytes(args[0])),
     "all_to_all_single": ("all_to_all", lambda args: _nbytes(args[0])),
+    # dist.all_to_all_single: with uneven splits a rank sends what its splits give the
+    # others, not (N-1)/N of its input, so it is counted exactly (_alltoall_sent)
+    "alltoall_base_": ("all_to_all", None),
     # point-to-point: what a pipeline's isend/irecv (and batch_isend_irecv on gloo) call
     "send": ("send", lambda args: sum(_nbytes(t) for t in args[0])),
     "recv_": ("recv", lambda args: sum(_nbytes(t) for t in args[0])),
 }
+
+
+def _alltoall_sent(args):
+    """Bytes this rank sends in c10d's alltoall_base_(output, input, group, output_splits,
+    input_splits): every row of its input but those its own split keeps."""
+    output, tensor, group, _, input_splits = args[:5]
+    group = ProcessGroup.unbox(group)
+    rows = tensor.shape[0] if tensor.dim() else tensor.numel()
+    row_bytes = _nbytes(tensor) // rows if rows else 0
+    if not input_splits:   # equal splits: 1/N kept
+        return _nbytes(tensor) - _nbytes(tensor) // group.size()
+    return (sum(input_splits) - input_splits[group.rank()]) * row_bytes
 
 
 def _group_name(func, args):
@@ -71,7 +86,10 @@ class CountCollectives(TorchDispatchMode):
                 counter = self.counter
                 if self.by_group:
                     counter = self.by_group.get(_group_name(func, args), counter)
-                counter.add_bytes(op, nbytes(args))
+                if nbytes is None:
+                    counter.add_sent(op, _alltoall_sent(args))
+                else:
+                    counter.add_bytes(op, nbytes(args))
             elif name not in ("wait_tensor", "_wrap_tensor_autograd", "barrier"):
                 raise NotImplementedError(f"cannot count the collective {func}")
         return func(*args, **(kwargs or {}))

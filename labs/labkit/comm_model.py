@@ -263,6 +263,12 @@ class CollectiveCounter:
         self.sent += bytes_sent_per_rank(op, Fraction(nbytes), self.world_size)
         self.counts[op] = self.counts.get(op, 0) + 1
 
+    def add_sent(self, op, sent_bytes):
+        """Count one `op` in which this rank sent exactly `sent_bytes` (an all-to-all with
+        uneven splits, whose bytes no full-tensor formula gives)."""
+        self.sent += Fraction(sent_bytes)
+        self.counts[op] = self.counts.get(op, 0) + 1
+
 
 def bus_bandwidth(op, bytes_, seconds, world_size):
     """nccl-tests' busbw in bytes/s: algbw (bytes / seconds) times the op's factor."""
@@ -467,3 +473,60 @@ def context_parallel_collectives(method, layers, seq, batch, hidden, cp, params)
     else:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(CP_METHODS)}")
     return per_layer * layers + [("all_reduce", params)]
+
+
+# Mixture of experts: what expert parallelism sends (Shazeer et al. 2017; GShard; Switch).
+
+def expert_capacity(tokens, experts, top_k, capacity_factor):
+    """Slots per expert when `tokens` tokens each choose top_k of `experts` experts:
+    ceil(capacity_factor x k x T / E) (GShard's and Switch's expert capacity)."""
+    exact = Fraction(str(capacity_factor)) * top_k * tokens / experts
+    return math.ceil(exact)
+
+
+def alltoall_dispatch_bytes(sent, hidden, value_bytes=4, counts_bytes=0):
+    """Bytes each rank sends in one MoE layer's forward and backward under the all-to-all
+    dispatcher, from the routing: sent[i][j] tokens (kept slots) rank i sends to rank j.
+
+    Forward, rank i sends sum_{j != i} sent[i][j] rows of h values (dispatch) and returns
+    sum_{j != i} sent[j][i] (combine); backward sends the gradients of the same rows the
+    other way: 2 x (sent out + received) x h x bytes. `counts_bytes`: the split sizes each
+    rank sends first (its counts per expert, an all-to-all of its own).
+    """
+    n = len(sent)
+    result = []
+    for i in range(n):
+        out = sum(sent[i][j] for j in range(n) if j != i)
+        into = sum(sent[j][i] for j in range(n) if j != i)
+        result.append(2 * (out + into) * hidden * value_bytes + counts_bytes)
+    return result
+
+
+def alltoall_uniform_bytes(tokens, hidden, top_k, world_size, value_bytes=4):
+    """One all-to-all (one direction) under uniform routing with nothing dropped: each of a
+    rank's k T slots stays home with probability 1/N: k (N-1)/N T h bytes."""
+    return Fraction(top_k * (world_size - 1), world_size) * tokens * hidden * value_bytes
+
+
+def allgather_dispatch_bytes(tokens, hidden, top_k, world_size, value_bytes=4,
+                             index_bytes=8):
+    """Bytes each rank sends in one MoE layer's forward and backward under Megatron's
+    all-gather dispatcher, whatever the routing: forward, all-gather the T x h tokens, the
+    T x k gates and expert ids, and reduce-scatter the N T x h outputs; backward,
+    reduce-scatter the tokens' and gates' gradients and all-gather the outputs'."""
+    n = world_size
+    gather = Fraction(n - 1, n) * n * tokens      # bytes_sent_per_rank of the gathered whole
+    hidden_rows = 4 * gather * hidden * value_bytes
+    gates = 2 * gather * top_k * value_bytes
+    return hidden_rows + gates + gather * top_k * index_bytes
+
+
+def expected_nodes_reached(experts, nodes, top_k, node_limit=None):
+    """Nodes a token's top_k experts sit on, in expectation, when its experts are any k of
+    E (uniform routing) spread evenly over `nodes` nodes: each node is missed with
+    probability C(E - E/nodes, k) / C(E, k). With node-limited routing (DeepSeek-V3 §2.1.2)
+    a token reaches at most `node_limit` of them."""
+    per_node = experts // nodes
+    missed = Fraction(math.comb(experts - per_node, top_k), math.comb(experts, top_k))
+    reached = nodes * (1 - missed)
+    return reached if node_limit is None else min(reached, node_limit)

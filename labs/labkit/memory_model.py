@@ -483,3 +483,75 @@ def context_parallel_layer_activation_bytes(seq, batch, hidden, heads, cp, tp=1,
     else:
         extra = 4 * heads * tokens * batch / tp
     return _whole_if_integral(value_bytes * values + extra)
+
+
+# Mixture of experts: parameters in total, per token (active) and per rank.
+
+def moe_transformer_params(layers, hidden, vocab, seq, experts, ffn_hidden, experts_held=None):
+    """Parameters of labs/labkit/moe.py's transformer: the course's transformer whose MLPs
+    are E experts h -> f -> h (2hf + f + h each) behind a router (hE + E). On an
+    expert-parallel rank `experts_held` = E / ep of them; everything else is replicated."""
+    held = experts if experts_held is None else experts_held
+    attention_and_norms = 4 * hidden ** 2 + 4 * hidden + 4 * hidden
+    router = hidden * experts + experts
+    expert = 2 * hidden * ffn_hidden + ffn_hidden + hidden
+    outside = transformer_params(0, hidden, vocab, seq)
+    return layers * (attention_and_norms + router + held * expert) + outside
+
+
+def mla_attention_params(hidden, heads, q_rank, kv_rank, head_dim, rope_dim, v_head_dim):
+    """DeepSeek's multi-head latent attention (DeepSeek-V2 §2.1; V3 §2.1.1), no biases:
+    queries through a rank-q_rank bottleneck, keys and values through a rank-kv_rank
+    latent plus a shared rotary key of rope_dim, an RMSNorm on each latent, the output
+    projection from heads x v_head_dim."""
+    q = hidden * q_rank + q_rank + q_rank * heads * (head_dim + rope_dim)
+    kv = hidden * (kv_rank + rope_dim) + kv_rank + kv_rank * heads * (head_dim + v_head_dim)
+    return q + kv + heads * v_head_dim * hidden
+
+
+# DeepSeek-V3 (technical report §2, §4.2; the published config): 61 layers, hidden 7168,
+# 128 heads of 128 (+64 rotary), query rank 1536, key-value rank 512; the first 3 layers
+# dense (SwiGLU of 18432), the other 58 with 1 shared and 256 routed SwiGLU experts of
+# 2048, 8 routed per token; vocabulary 129280, untied head. RMSNorms; the multi-token
+# prediction module (14B more) is left out, as the report's 671B leaves it out.
+DEEPSEEK_V3 = dict(layers=61, dense_layers=3, hidden=7168, heads=128, q_rank=1536,
+                   kv_rank=512, head_dim=128, rope_dim=64, v_head_dim=128, dense_ffn=18432,
+                   routed_experts=256, shared_experts=1, expert_ffn=2048, top_k=8,
+                   vocab=129280)
+
+
+def deepseek_v3_params(config=DEEPSEEK_V3):
+    """{total, active, routed_experts, per_moe_layer_routed, other}: parameters of the
+    DeepSeek-V3 layout, all of them and those one token uses (its k routed experts)."""
+    c = config
+    h = c["hidden"]
+    attention = mla_attention_params(h, c["heads"], c["q_rank"], c["kv_rank"], c["head_dim"],
+                                     c["rope_dim"], c["v_head_dim"]) + 2 * h   # + 2 RMSNorms
+    swiglu = lambda ffn: 3 * h * ffn   # noqa: E731  gate, up, down; no biases
+    moe_layers = c["layers"] - c["dense_layers"]
+    routed = moe_layers * c["routed_experts"] * swiglu(c["expert_ffn"])
+    router = moe_layers * c["routed_experts"] * h
+    shared = moe_layers * c["shared_experts"] * swiglu(c["expert_ffn"])
+    dense = c["dense_layers"] * swiglu(c["dense_ffn"])
+    other = c["layers"] * attention + dense + shared + router + 2 * c["vocab"] * h + h
+    active_routed = moe_layers * c["top_k"] * swiglu(c["expert_ffn"])
+    return {"total": other + routed, "active": other + active_routed, "routed_experts": routed,
+            "other": other}
+
+
+def moe_bytes_per_gpu(gpus, pp, ep, config=DEEPSEEK_V3, zero1=True):
+    """Bytes of weights, gradients and Adam state per GPU for DeepSeek-V3's layout: pp
+    pipeline stages of equal parameter counts, each MoE layer's routed experts over ep GPUs,
+    everything else replicated within a stage; mixed precision (2 + 2 bytes, 12 of fp32
+    state), ZeRO-1 sharding the 12 over each parameter's data-parallel replicas: gpus / pp
+    for the rest, gpus / (pp ep) for a routed expert. The course's accounting, not
+    DeepSeek's own storage choices."""
+    params = deepseek_v3_params(config)
+    dp_rest, dp_expert = gpus // pp, gpus // (pp * ep)
+    rest = params["other"] / pp
+    experts = params["routed_experts"] / (pp * ep)
+    p, g, k = bytes_per_parameter("adam", "mixed")
+    state = lambda n, dp: (p + g) * n + k * n / (dp if zero1 else 1)   # noqa: E731
+    return {"other": state(rest, dp_rest), "experts": state(experts, dp_expert),
+            "total": state(rest, dp_rest) + state(experts, dp_expert),
+            "params_per_gpu": rest + experts}

@@ -73,7 +73,11 @@ class Block(nn.Module):
         weights = scores.masked_fill(self.future[:s, :s], float("-inf")).softmax(dim=-1)
         attended = (weights @ v).transpose(1, 2).reshape(b, s, -1)
         x = x + self.proj(attended)
-        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+        return x + self.mlp(self.norm2(x))
+
+    def mlp(self, x):
+        """The feed-forward part, on its own so that a mixture of experts can replace it."""
+        return self.fc2(F.gelu(self.fc1(x)))
 
 
 class Head(nn.Module):

@@ -14,7 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 HTML = REPO / "_build" / "html"
 CHAPTERS = ["grad_averaging", "collectives", "memory", "scaling", "fsdp", "tensor_parallel",
-            "pipeline", "context_parallel", "hybrid", "at_scale"]
+            "pipeline", "context_parallel", "expert_parallel", "hybrid", "at_scale"]
 PAGES = ["intro", *CHAPTERS, "status", "bibliography"]
 
 if not (HTML / "book" / "intro.html").is_file():
