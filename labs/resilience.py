@@ -250,7 +250,8 @@ def main():
         result = env.write_result(args, run(args, env))
         if result is not None:
             env.print0(f"restarts {result['restart_count']}, resumed from step "
-                       f"{result['resumed_from_step']}, {result['lost_steps']} step(s) "
+                       f"{result['resumed_from_step']}, {result['lost_steps']} "
+                       f"step{'s' if result['lost_steps'] != 1 else ''} "
                        f"trained twice; max |parameter - uninterrupted| "
                        f"{result['max_param_diff_vs_uninterrupted']:.1e}")
 
