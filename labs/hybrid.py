@@ -243,16 +243,20 @@ def report(env, result):
     env.print0(f"max |parameter - one process| {result['max_param_diff']:.1e}")
 
 
+def ranks(count):
+    return f"{count} rank" + ("" if count == 1 else "s")
+
+
 def check(args, world_size):
     """Degrees that the world and the model can be split by, or one line saying why not."""
     if args.dp is None:
         if world_size % (args.pp * args.tp):
-            distenv.fail(f"a world of {world_size} ranks is not a multiple of --pp {args.pp} "
+            distenv.fail(f"a world of {ranks(world_size)} is not a multiple of --pp {args.pp} "
                          f"x --tp {args.tp}")
         args.dp = world_size // (args.pp * args.tp)
     if args.dp * args.pp * args.tp != world_size:
         distenv.fail(f"--dp {args.dp} x --pp {args.pp} x --tp {args.tp} = "
-                     f"{args.dp * args.pp * args.tp}, but the world has {world_size} ranks")
+                     f"{args.dp * args.pp * args.tp}, but the world has {ranks(world_size)}")
     for what, value in (("--heads", args.heads), ("--vocab", args.vocab)):
         if value % args.tp:
             distenv.fail(f"{what} {value} does not split over --tp {args.tp}")

@@ -82,9 +82,9 @@ def test_bad_input_is_refused_in_one_line(script):
     assert_refused(hybrid.parse_args, ["--tp", "0"], "--tp must be at least 1")
     assert_refused(hybrid.parse_args, ["--schedule", "interleaved"], "invalid choice")
     assert_fails_with_one_line(script("hybrid", "--dp", "2"),
-                               "--dp 2 x --pp 1 x --tp 1 = 2, but the world has 1 ranks")
+                               "--dp 2 x --pp 1 x --tp 1 = 2, but the world has 1 rank")
     assert_fails_with_one_line(script("hybrid", "--pp", "5"),
-                               "a world of 1 ranks is not a multiple of --pp 5")
+                               "a world of 1 rank is not a multiple of --pp 5")
 
 
 def test_degrees_the_model_cannot_take_are_refused():
