@@ -168,3 +168,10 @@ def test_ring_overlap_threshold_by_hand():
     # n >= v h_kv R / (2 h beta): 2 bytes, R = 1e15, beta = 1e11, MHA -> 10,000 tokens
     assert time_model.ring_overlap_min_tokens(8, 8, 1e15, 1e11) == pytest.approx(10000)
     assert time_model.ring_overlap_min_tokens(8, 1, 1e15, 1e11) == pytest.approx(1250)
+    # causal, zig-zag: each step after the first computes 2 of its 4 chunk pairs, half a
+    # block, so the threshold doubles
+    assert time_model.ring_overlap_min_tokens(8, 8, 1e15, 1e11, causal=True) == \
+        pytest.approx(20000)
+    n = 4
+    pairs_after_step_0 = time_model.causal_chunk_pairs(n, "zigzag")[0] - 3   # step 0: 3 pairs
+    assert pairs_after_step_0 == 2 * (n - 1)                                  # 2 per step

@@ -274,9 +274,14 @@ def ring_attention_flops_by_rank(seq, batch, hidden, cp, layout):
     return [4 * batch * c * c * hidden * pairs for pairs in causal_chunk_pairs(cp, layout)]
 
 
-def ring_overlap_min_tokens(hidden, kv_hidden, flops_per_s, bytes_per_s, value_bytes=2):
+def ring_overlap_min_tokens(hidden, kv_hidden, flops_per_s, bytes_per_s, value_bytes=2,
+                            causal=False):
     """Tokens per rank (s / N) from which one ring step's transfer (the next block's K and V,
-    2 b n h_kv values) takes no longer than its block's forward products (4 b n^2 h FLOPs,
-    a block wholly in the past): n >= value_bytes h_kv R / (2 h beta). Below it the ring
+    2 b n h_kv values) takes no longer than its block's forward products: n >= value_bytes
+    h_kv R / (2 h beta) when every step computes a whole block (4 b n^2 h FLOPs, no mask:
+    Liu et al. 2023's c >= F/B). causal=True: a causal mask in the zig-zag layout leaves
+    every step after the first 2 of its 4 chunk pairs (causal_chunk_pairs: 2N + 1 in N
+    steps), half a block, 2 b n^2 h FLOPs, so n must be twice as large. Below it the ring
     waits on the link; above it the sends hide behind the computation."""
-    return value_bytes * kv_hidden * flops_per_s / (2 * hidden * bytes_per_s)
+    work = 0.5 if causal else 1
+    return value_bytes * kv_hidden * flops_per_s / (2 * work * hidden * bytes_per_s)
