@@ -17,7 +17,7 @@ from labkit.pipeline_schedules import schedule_order
 SHAPE = pipeline.SHAPE
 # the runs under controlled time (the result fixture's), marked: `-m timed` selects them
 ALONE = pytest.mark.timed
-COMPUTE_MS = 6
+COMPUTE_MS = 10
 TIMED = ["--compute-ms", COMPUTE_MS]
 # p -> (micro-batch counts, options): one launch per p, every schedule, m = 1 and m >= p;
 # one process times the real computation, the others run under controlled time
