@@ -42,7 +42,6 @@ predicted_param_bytes_per_rank}}, counted over the last training step; `load_bal
 {aux_loss_weight: [imbalance per step]}; `shape`, `batch`, `tokens_per_rank`, `capacity`.
 """
 
-import argparse
 import dataclasses
 
 import torch
@@ -288,17 +287,6 @@ def check_split(experts, world_size, variants):
                          f" ({name})")
 
 
-def capacity_factor(text):
-    """An argparse type: a number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
-
-
 def parse_args(argv=None):
     parser = distenv.lab_parser(__doc__)
     parser.add_argument("--variants", type=distenv.choice_list(VARIANTS), default=list(VARIANTS),
@@ -307,7 +295,7 @@ def parse_args(argv=None):
                         help="experts per MoE layer (E)")
     parser.add_argument("--top-k", type=int, choices=(1, 2), default=TOP_K,
                         help="experts per token (k)")
-    parser.add_argument("--capacity-factor", type=capacity_factor, default=CAPACITY_FACTOR,
+    parser.add_argument("--capacity-factor", type=distenv.number_above(0), default=CAPACITY_FACTOR,
                         help="slots per expert = ceil(factor x k x tokens / E)")
     parser.add_argument("--expert-hidden", type=distenv.positive_int, default=EXPERT_HIDDEN,
                         help="each expert's MLP width")

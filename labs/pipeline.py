@@ -346,16 +346,6 @@ def check(args, world_size):
                      f"--layers {args.layers} cannot give each of {world_size} stages a layer")
 
 
-def non_negative_float(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise distenv.argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not value >= 0:
-        raise distenv.argparse.ArgumentTypeError(f"must be at least 0, got {text}")
-    return value
-
-
 def parse_args(argv=None):
     parser = distenv.lab_parser(__doc__)
     parser.add_argument("--schedule", type=distenv.choice_list(SCHEDULES + PITFALLS, SCHEDULES),
@@ -368,7 +358,7 @@ def parse_args(argv=None):
                         help="sequences per step (every m must divide it)")
     parser.add_argument("--microbatch-size", type=distenv.positive_int, default=None,
                         help="sequences per micro-batch instead: the batch is then m times it")
-    parser.add_argument("--compute-ms", type=non_negative_float, default=None,
+    parser.add_argument("--compute-ms", type=distenv.number_above(0, inclusive=True), default=None,
                         help="controlled time: every forward of a micro-batch lasts this many "
                              "ms on every stage, every backward twice as long")
     parser.add_argument("--chunks", type=distenv.at_least(2), default=2,

@@ -124,6 +124,23 @@ def at_least(minimum):
 positive_int = at_least(1)
 
 
+def number_above(minimum, inclusive=False):
+    """An argparse type: a number > minimum (>= with `inclusive`), or a one-line error."""
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        if not (value >= minimum if inclusive else value > minimum):
+            raise argparse.ArgumentTypeError(
+                f"must be at least {minimum:g}, got {text}" if inclusive else
+                "must be positive, got " + text if minimum == 0 else
+                f"must be more than {minimum:g}, got {text}")
+        return value
+    parse.__name__ = "number"
+    return parse
+
+
 def int_list(minimum=1):
     """An argparse type: comma-separated whole numbers, each >= minimum ("2,3,4")."""
     one = at_least(minimum)
