@@ -46,7 +46,7 @@ the smallest and largest), peak_microbatches_in_flight and
 predicted_peak_microbatches_in_flight (one per stage), p2p_bytes_per_rank and
 predicted_p2p_bytes_per_rank (one per rank), ops_over_compute_ms}} for the first
 --microbatches value, and `timeline` {name: [{stage, op, microbatch, chunk, start_s,
-end_s, wait_s}]} of its last step, gathered from every rank (wait_s: when the stage
+end_s, wait_s}]} of its last step (the one timed: the steps before it run unpadded), gathered from every rank (wait_s: when the stage
 waited for the op's input); `sweep` [{microbatches, batch, schedules, skipped}] for every
 value, `skipped` saying why a torch schedule did not run (its 1F1B schedule needs m >= p;
 its interleaved one an m that its m // p rounds divide). P2P bytes are counted over the
@@ -167,9 +167,13 @@ def run_one(name, shape, m, args, env, expected, handoffs):
     # sending a few bytes in their first. The timeline is the last step's; the counting
     # does not slow its ops, which run outside the counting mode (OpClock).
     counted = min(1, args.steps - 1)
+    # Only the last step is timed: the steps before it (warm-ups, and the counted one) run
+    # their ops at the speed of their real work, not padded to --compute-ms.
+    padded = pipeline.clock.compute_s
     for step in range(args.steps):
         ids, targets = rank_batch(shape, args.batch, args.seed, step, 0, env.device)
         pipeline.clock.reset()
+        pipeline.clock.compute_s = padded if step == args.steps - 1 else None
         counting = CountCollectives(counter) if step == counted else contextlib.nullcontext()
         synchronize()   # nothing queued before the step is timed as the step's
         dist.barrier()
