@@ -13,7 +13,7 @@
 
   Several strategies (a comma-separated list, or all) run one after another in the same
   processes, and --simulate-world-size takes a list: one process measures rank 0 of each
-  simulated world in turn.
+  simulated world in turn (1 in the list is a real world of one: nothing to fake).
 
 Launch lines (from the repository root):
   the ZeRO paper's example:  python labs/memory.py predict --params 7.5B --gpus 64

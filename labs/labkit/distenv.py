@@ -400,6 +400,8 @@ def initialize(args, simulate_world_size=None, cpu_group=False):
             fail("--simulate-world-size runs in one process: start it with python, not torchrun")
         if simulate_world_size < 1:
             fail(f"--simulate-world-size must be at least 1, got {simulate_world_size}")
+        if simulate_world_size == 1:   # a world of one has no other rank to fake: a real one
+            simulate_world_size = None
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
