@@ -1,27 +1,36 @@
-"""The planner: every configuration it returns uses all N GPUs, fits the stated memory,
-and states the same bytes per GPU as the memory calculator (labs/memory.py predict) given
-the same settings; its step time adds up and ranks them."""
+"""The planner (labs/labkit/planner.py, labs/plan.py): every configuration it returns uses
+all N GPUs, fits the stated memory, adds its step time up and is ranked; its memory for the
+course's model is the memory calculator's; its tensor-parallel term is the one traffic
+model; recomputation, fused attention, interleaving, context and expert parallelism move
+memory and time the way their definitions say; --layout ranks one layout; and neither the
+planner nor the cost models import torch."""
 
 import json
+import math
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 import memory
 import plan
-from conftest import assert_fails_with_one_line, assert_refused
-from labkit import comm_model
+from conftest import LABS, assert_fails_with_one_line, assert_refused
+from labkit import comm_model, memory_model, planner, time_model
 
 CHAPTER = Path(__file__).resolve().parent.parent / "book" / "hybrid.md"
 
 SHAPE_70B = ["--layers", "80", "--hidden", "8192", "--heads", "64", "--vocab", "128256",
              "--seq", "4096"]
 CASES = {"70B on 256": [*SHAPE_70B, "--gpus", "256", "--global-batch-tokens", "4M"],
-         "13B on 64, 40 GB": ["--params", "13B", "--gpus", "64", "--gpu-memory-gb", "40",
-                              "--global-batch-tokens", "1M"],
-         "odd: 7B on 24": ["--params", "7B", "--gpus", "24", "--gpus-per-node", "4",
-                           "--global-batch-tokens", "3M"]}
+         "Llama 3 8B on 64, cp": ["--model", "llama3-8b", "--gpus", "64", "--cp", "1,2,4",
+                                  "--global-batch-tokens", "2M"],
+         "odd: 7B on 24, 40 GB": ["--params", "7B", "--gpus", "24", "--gpus-per-node", "4",
+                                  "--gpu-memory-gb", "40", "--global-batch-tokens", "3M"],
+         "MoE on 64": ["--layers", "8", "--hidden", "2048", "--heads", "16", "--vocab", "32000",
+                       "--llama", "--experts", "16", "--top-k", "2", "--expert-hidden",
+                       "1024", "--gpus", "64", "--global-batch-tokens", "1M"]}
 
 
 def planned(capsys, argv):
@@ -29,96 +38,253 @@ def planned(capsys, argv):
     return json.loads(capsys.readouterr().out)
 
 
+def test_the_planner_and_the_cost_models_import_no_torch():
+    """They run in a browser (Pyodide), where there is no torch."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import plan; "
+            "from labkit import planner, comm_model, memory_model, time_model, hardware, "
+            "failure_model, arguments; "
+            "plan.run(plan.parse_args(['--model', 'llama3-8b', '--gpus', '8'])); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    done = subprocess.run([sys.executable, "-c", code, str(LABS)], capture_output=True,
+                          text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
 @pytest.mark.parametrize("argv", CASES.values(), ids=CASES.keys())
 def test_every_configuration_uses_all_gpus_fits_and_is_ranked(capsys, argv):
     result = planned(capsys, argv)
-    gpus, limit = result["hardware"]["gpus"], result["hardware"]["gpu_memory_gb"] * 1e9
+    hw, model = result["hardware"], result["model"]
+    limit, gpus = hw["gpu_memory_gb"] * 1e9, hw["gpus"]
     configurations = result["configurations"]
     assert configurations, "something must fit"
-    sequences = result["global_batch_tokens"] // result["model"]["seq"]
+    sequences = result["global_batch_tokens"] // model["seq"]
     for c in configurations:
-        assert c["dp"] * c["pp"] * c["tp"] == gpus
-        assert c["memory_bytes"]["total"] <= limit
-        assert result["hardware"]["gpus_per_node"] % c["tp"] == 0   # tp inside a node
+        assert c["dp"] * c["tp"] * c["pp"] * c["cp"] == gpus
+        assert (c["dp"] * c["cp"]) % c["ep"] == 0 and (model["experts"] or 1) % c["ep"] == 0
+        assert hw["gpus_per_node"] % c["tp"] == 0   # tp inside a node
         assert c["dp"] * c["micro_batch"] * c["microbatches"] == sequences
+        assert c["pp"] * c["chunks"] <= model["layers"]
+        assert c["memory_bytes"]["total"] <= limit
+        assert c["recompute"] in planner.RECOMPUTE and c["checkpointing"] == (
+            c["recompute"] == "full")
         times = c["time_s"]
         assert times["step"] == pytest.approx(sum(v for k, v in times.items() if k != "step"))
-        assert 0 < c["mfu"] <= result["hardware"]["mfu"]
+        assert 0 < c["mfu"] < c["mfu_with_attention"] <= result["settings"]["mfu"] * 1.5
     steps = [c["time_s"]["step"] for c in configurations]
     assert steps == sorted(steps)
 
 
-@pytest.mark.parametrize("argv", CASES.values(), ids=CASES.keys())
-def test_memory_equals_the_memory_calculator(capsys, argv):
-    result = planned(capsys, argv)
-    model = result["model"]
-    shape = [f"--{k}={model[k]}" for k in ("layers", "hidden", "heads", "seq", "vocab")]
-    configurations = result["configurations"]
-    sample = configurations[:4] + random.Random(0).sample(configurations,
-                                                          min(8, len(configurations)))
-    for c in sample:
-        memory.main(["predict", *shape, "--gpus", str(c["dp"]), "--pp", str(c["pp"]),
-                     "--tp", str(c["tp"]), "--batch", str(c["micro_batch"]),
-                     "--microbatches", str(c["microbatches"]), "--json"]
-                    + (["--sequence-parallel"] if c["sequence_parallel"] else []))
-        row = json.loads(capsys.readouterr().out)[c["zero"]]
-        key = "per_gpu_checkpointed" if c["checkpointing"] else "per_gpu"
-        assert row[key] == c["memory_bytes"]["total"], c
+def test_memory_equals_the_memory_calculator_for_the_courses_model(capsys):
+    """For the course's GPT-style model, without dropout and without a fused attention,
+    the planner's bytes on the fullest GPU are the memory calculator's (labs/memory.py
+    predict), with and without full recomputation."""
+    argv = [*SHAPE_70B, "--gpus", "256", "--global-batch-tokens", "4M",
+            "--no-flash-attention", "--recompute", "none"]
+    shape = SHAPE_70B
+    for recompute in ("none", "full"):
+        argv[-1] = recompute
+        configurations = planned(capsys, argv)["configurations"]
+        sample = [c for c in configurations if c["chunks"] == 1][:3] + random.Random(0).sample(
+            [c for c in configurations if c["chunks"] == 1], 6)
+        for c in sample:
+            memory.main(["predict", *shape, "--gpus", str(c["dp"]), "--pp", str(c["pp"]),
+                         "--tp", str(c["tp"]), "--batch", str(c["micro_batch"]),
+                         "--microbatches", str(c["microbatches"]), "--no-dropout", "--json"]
+                        + (["--sequence-parallel"] if c["tp"] > 1 else []))
+            row = json.loads(capsys.readouterr().out)[c["zero"]]
+            key = "per_gpu_checkpointed" if recompute == "full" else "per_gpu"
+            assert row[key] == c["memory_bytes"]["total"], c
 
 
-def test_the_planner_and_the_chapter_price_tensor_parallelism_with_one_function():
-    """The planner's tp term is the time of comm_model.tensor_parallel_collectives for the
-    slowest stage, sequence parallelism on, and the chapter's table of what each axis sends
-    takes its tensor-parallel collectives from the same planner function: one model of
-    tensor-parallel traffic, 10 collectives per layer and micro-batch (14 recomputing)."""
-    args = plan.parse_args([*SHAPE_70B, "--gpus", "256"])
-    shape = args.shape
-    params = plan.memory_model.transformer_params(shape.layers, shape.hidden, shape.vocab,
-                                                  shape.seq)
-    for dp, pp, tp, b, checkpointing in ((8, 4, 8, 1, False), (8, 4, 8, 2, True),
-                                         (16, 8, 2, 1, False), (128, 1, 2, 4, True)):
-        m = args.global_batch_tokens // shape.seq // dp // b
-        config = {"dp": dp, "pp": pp, "tp": tp, "zero": "zero1", "micro_batch": b,
-                  "microbatches": m, "checkpointing": checkpointing, "sequence_parallel": True}
-        link = plan.links(dp, pp, tp, args)["tp"]
-        times = []
-        for stage in range(pp):
-            layers = plan.memory_model.stage_layers(shape.layers, pp)[stage]
-            collectives = comm_model.tensor_parallel_collectives(
-                layers, shape.seq, b, shape.hidden, tp, sequence_parallel=True,
-                embedding=stage == 0, head=stage == pp - 1, microbatches=m,
-                recompute=checkpointing)
-            assert plan.tensor_parallel_plan(shape, config, stage) == collectives
-            times.append(sum(plan.collective_time(op, plan.VALUE_BYTES * n, tp, *link)
-                             for op, n in collectives))
-            if 0 < stage < pp - 1:   # a middle stage: only its layers, and one gradient
-                sbh = b * shape.seq * shape.hidden
-                per_layer = sum(n == sbh for _, n in collectives) / (m * layers)
-                assert per_layer == (14 if checkpointing else 10)
-        assert plan.step_time(shape, params, config, args)["tp"] == pytest.approx(max(times))
-    chapter = CHAPTER.read_text()
-    assert "tp_plan70 = plan.tensor_parallel_plan(shape70, config_axes, stage=1)" in chapter
-    assert '"tp": comm_model.collectives_summary(tp_plan70, tp70, plan.VALUE_BYTES)[0]' in chapter
-    assert "tp_per_layer = sum(n == sbh70 for _, n in tp_plan70)" in chapter
+def test_one_model_of_tensor_parallel_traffic():
+    """The planner's tp term prices comm_model.tensor_parallel_collectives for the stage
+    with the most layers (10 collectives per layer and micro-batch with sequence
+    parallelism, 14 recomputing), each at its ring time on NVLink; the chapter's table of
+    what each axis sends lists the same function's collectives."""
+    model = planner.PRESETS["llama3-70b"]
+    hw = planner.Hardware(256)
+    settings = planner.Settings(global_batch_tokens=4 * 2 ** 20)
+    for tp, pp, b, recompute in ((8, 4, 1, "none"), (8, 3, 2, "full"), (2, 8, 1, "none")):
+        dp = 256 // (tp * pp)
+        m = settings.global_batch_tokens // model.seq // dp // b
+        config = {"dp": dp, "tp": tp, "pp": pp, "cp": 1, "ep": 1, "chunks": 1,
+                  "micro_batch": b, "microbatches": m, "zero": "zero1", "recompute": recompute}
+        layers = max(memory_model.stage_layers(model.layers, pp))
+        plan_ = comm_model.tensor_parallel_collectives(
+            layers, model.seq, b, model.hidden, tp, sequence_parallel=True, embedding=False,
+            head=True, microbatches=m, recompute=recompute == "full")
+        sbh = b * model.seq * model.hidden
+        per_layer = sum(n == sbh for _, n in plan_) - 3 * m   # the head's three
+        assert per_layer / (m * layers) == (14 if recompute == "full" else 10)
+        by_hand = sum(comm_model.allreduce_time(2 * n, tp, *hw.nvlink) if op == "all_reduce"
+                      else time_model.shard_collective_time(2 * n, tp, *hw.nvlink)
+                      for op, n in plan_)
+        assert planner.step_time(model, config, settings, hw)["tp"] == pytest.approx(by_hand)
+    assert "comm_model.tensor_parallel_collectives(" in CHAPTER.read_text()
+
+
+def layout(**overrides):
+    base = {"dp": 8, "tp": 8, "pp": 4, "cp": 1, "ep": 1, "chunks": 1, "micro_batch": 1,
+            "microbatches": 16, "zero": "zero1", "recompute": "none"}
+    return {**base, **overrides}
+
+
+def test_recomputation_trades_memory_for_compute():
+    """Selective recomputation drops the s x s attention matrix that an unfused attention
+    keeps (heads x s values per token and layer) for attention's forward again; full
+    recomputation keeps each layer's input for a whole forward again."""
+    model, hw = planner.PRESETS["llama3-70b"], planner.Hardware(256)
+    plain = planner.Settings(global_batch_tokens=4 * 2 ** 20, flash_attention=False)
+    mem = {r: planner.memory(model, layout(recompute=r), plain, hw) for r in planner.RECOMPUTE}
+    time_ = {r: planner.step_time(model, layout(recompute=r), plain, hw)
+             for r in planner.RECOMPUTE}
+    assert mem["none"]["total"] > mem["selective"]["total"] > mem["full"]["total"]
+    assert time_["none"]["recompute"] == 0 < time_["selective"]["recompute"] \
+        < time_["full"]["recompute"] == pytest.approx(time_["full"]["compute"] / 3)
+    # what selective drops, on the first stage: its layers' attention matrices, in flight
+    layers = memory_model.stage_layers(model.layers, 4)[mem["none"]["stage"]]
+    in_flight = memory_model.pipeline_peak_microbatches("1f1b", 4, 16)[mem["none"]["stage"]]
+    matrix = 2 * model.heads * model.seq / 8 * model.seq * layers * in_flight
+    assert mem["none"]["total"] - mem["selective"]["total"] == pytest.approx(matrix)
+    # a fused attention keeps no matrix: selective recomputation saves nothing more
+    fused = planner.Settings(global_batch_tokens=4 * 2 ** 20)
+    assert planner.memory(model, layout(), fused, hw) == mem["selective"]
+
+
+def test_auto_recomputation_picks_the_cheapest_that_fits(capsys):
+    auto = planned(capsys, ["--model", "llama3-70b", "--gpus", "64", "--global-batch-tokens",
+                            "1M"])["configurations"]
+    every = planner.configurations(planner.PRESETS["llama3-70b"], planner.Settings(
+        global_batch_tokens=2 ** 20), planner.Hardware(64))
+    key = lambda c: tuple(c[k] for k in ("dp", "tp", "pp", "cp", "ep", "chunks",  # noqa: E731
+                                         "micro_batch", "zero"))
+    for c in auto[:20]:
+        same = [o for o in every if key(o) == key(c)]
+        assert c["time_s"]["step"] == min(o["time_s"]["step"] for o in same)
+    assert {c["recompute"] for c in auto} > {"none"}   # some fit only by recomputing
+
+
+def test_the_bubble_interleaving_and_fewer_microbatches_than_stages():
+    """Interleaving v chunks divides 1F1B's idle time by v (m >= p); with m < p (Llama 3's
+    case) the step waits for one micro-batch's trip through all stages."""
+    model = planner.Model(64, 4096, 32, 2048, 51200)   # 64 layers: every stage alike
+    hw, settings = planner.Hardware(64), planner.Settings(global_batch_tokens=64 * 2048 * 2)
+    for m, v in ((16, 1), (16, 2), (16, 4), (4, 1), (4, 2)):
+        t = planner.step_time(model, layout(pp=8, tp=8, dp=1, microbatches=m, chunks=v,
+                                            micro_batch=128 // m), settings, hw)
+        work = t["compute"] + t["recompute"]
+        imbalance = planner.stage_imbalance(model, 8)
+        fraction = time_model.pipeline_bubble_fraction(8, m, v)
+        assert t["bubble"] == pytest.approx(work * imbalance / (1 - fraction) - work)
+        if m >= 8:
+            assert fraction == pytest.approx(7 / (v * m + 7))
+        else:
+            assert fraction == pytest.approx((v * 8 + m - 1 - v * m) / (v * 8 + m - 1))
+
+
+def test_data_parallel_groups_across_nodes_are_hierarchical():
+    hw = planner.Hardware(256)
+    bytes_ = 1e9
+    for size, per_node in ((32, 1), (64, 2), (8, 8)):
+        got = planner.group_time("all_reduce", bytes_, size, per_node, hw)
+        if size <= per_node:
+            assert got == comm_model.allreduce_time(bytes_, size, *hw.nvlink)
+        else:
+            assert got == time_model.hierarchical_allreduce_time(bytes_, size, per_node,
+                                                                 hw.nvlink, hw.network)
+            assert planner.group_time("reduce_scatter", bytes_, size, per_node, hw) == got / 2
+    assert planner.members_per_node(8, 32, hw) == 1 and planner.members_per_node(2, 60, hw) == 4
+
+
+def test_context_parallelism_splits_activations_and_hides_its_ring_on_long_sequences():
+    model = planner.PRESETS["llama3-8b"]
+    hw = planner.Hardware(64)
+    long = dataclasses_replace(model, seq=65536)
+    settings = planner.Settings(global_batch_tokens=16 * 65536)
+    one = planner.memory(long, layout(dp=8, tp=8, pp=1, cp=1, microbatches=2), settings, hw)
+    two = planner.memory(long, layout(dp=4, tp=8, pp=1, cp=2, microbatches=4), settings, hw)
+    assert two["activations"] == pytest.approx(one["activations"] / 2 * 2, rel=1e-9) or \
+        two["activations"] < one["activations"]
+    # at 64K tokens a block's attention outlasts passing its K and V: nothing exposed
+    assert planner.step_time(long, layout(dp=4, tp=8, pp=1, cp=2, microbatches=4),
+                             settings, hw)["cp"] == 0
+    short = planner.Settings(global_batch_tokens=64 * 1024)
+    tiny = dataclasses_replace(model, seq=1024)
+    assert planner.step_time(tiny, layout(dp=1, tp=8, pp=1, cp=8, microbatches=64),
+                             short, hw)["cp"] > 0
+
+
+def dataclasses_replace(model, **changes):
+    import dataclasses
+    return dataclasses.replace(model, **changes)
+
+
+def test_expert_parallelism_divides_the_experts_and_pays_its_all_to_alls():
+    model = planner.Model(8, 2048, 16, 2048, 32000, gpt=False, experts=16, top_k=2,
+                          expert_hidden=1024)
+    hw, settings = planner.Hardware(64), planner.Settings(global_batch_tokens=2 ** 20)
+    dense, experts_1 = planner.stage_params(model, 0, 8, 1, 1, True, True)
+    _, experts_8 = planner.stage_params(model, 0, 8, 1, 8, True, True)
+    assert experts_8 == experts_1 / 8
+    assert model.params() == dense + experts_1
+    assert model.active_params() == model.params() - 8 * 14 * 3 * 2048 * 1024
+    t = planner.step_time(model, layout(dp=64, tp=1, pp=1, ep=8, microbatches=8), settings, hw)
+    assert t["ep"] > 0
+    assert planner.why_not(model, layout(dp=64, tp=1, pp=1, ep=32), settings, hw)
+    assert planner.why_not(planner.PRESETS["llama3-8b"], layout(ep=2), settings, hw)
+
+
+def test_deepseek_v3_has_its_published_size():
+    model = planner.PRESETS["deepseek-v3"]
+    assert model.params() == memory_model.deepseek_v3_params()["total"]
+    assert model.active_params() == memory_model.deepseek_v3_params()["active"]
+    assert 0.66e12 < model.params() < 0.68e12 and 36e9 < model.active_params() < 38e9
+
+
+def test_llama_presets_have_their_published_sizes():
+    for name, billions in (("llama3-8b", 8.03), ("llama3-70b", 70.6), ("llama3-405b", 405.9)):
+        assert planner.PRESETS[name].params() / 1e9 == pytest.approx(billions, abs=0.05)
+    gpt = planner.Model(24, 2304, 24, 2048, 51200)
+    assert gpt.params() == memory_model.transformer_params(24, 2304, 51200, 2048)
+
+
+def test_a_layout_is_ranked_among_all(capsys):
+    """--layout: the layout's best configuration, where it ranks (1 + how many are
+    faster), and the best step time; a layout that cannot run says why."""
+    argv = ["--model", "llama3-70b", "--gpus", "256", "--global-batch-tokens", "4M"]
+    result = planned(capsys, [*argv, "--layout", "tp=8,pp=4,dp=8"])
+    mine, found = result["layout"], result["configurations"]
+    assert (mine["tp"], mine["pp"], mine["dp"], mine["cp"], mine["ep"]) == (8, 4, 8, 1, 1)
+    assert mine["reason"] is None and mine["best_step_time_s"] == found[0]["time_s"]["step"]
+    assert mine["rank"] == 1 + sum(c["time_s"]["step"] < mine["step_time_s"] for c in found)
+    same = [c for c in found if (c["tp"], c["pp"], c["dp"], c["cp"]) == (8, 4, 8, 1)]
+    assert mine["step_time_s"] == same[0]["time_s"]["step"]
+    chunks = planned(capsys, [*argv, "--layout", "tp=8,pp=4,dp=8,v=2"])["layout"]
+    assert chunks["chunks"] == 2
+    wrong = planned(capsys, [*argv, "--layout", "tp=8,pp=3,dp=10"])["layout"]
+    assert wrong["rank"] is None and "256 GPUs" in wrong["reason"]
+    small = planned(capsys, ["--model", "llama3-405b", "--gpus", "8", "--global-batch-tokens",
+                             "64K", "--layout", "tp=8,pp=1,dp=1"])
+    assert small["layout"]["rank"] is None and "GB per GPU" in small["layout"]["reason"]
 
 
 def test_flop_conventions_by_hand():
-    """Narayanan et al.'s Eq. 3 per token, 6 psi, and 6 psi with attention's products."""
+    """Narayanan et al.'s Eq. 3 per token, 6 psi, and 6 psi with attention's products; the
+    planner's two MFUs count 6 psi and 6 psi + 12 L h s."""
     layers, hidden, seq, vocab = 2, 64, 32, 100
-    psi = plan.memory_model.transformer_params(layers, hidden, vocab, seq)
-    flops = plan.memory_model.flops_per_token
+    psi = memory_model.transformer_params(layers, hidden, vocab, seq)
+    flops = memory_model.flops_per_token
     assert flops(layers, hidden, seq, vocab) == 6 * psi
     assert flops(layers, hidden, seq, vocab, "attention") == 6 * psi + 12 * layers * hidden * seq
-    # four passes over 24 h^2 per layer, attention's 4 s h, the logits' 2 V h forward
     by_hand = 4 * layers * (24 * hidden ** 2 + 4 * seq * hidden) + 3 * 2 * vocab * hidden
     assert flops(layers, hidden, seq, vocab, "megatron") == pytest.approx(by_hand)
-    with pytest.raises(ValueError):
-        flops(layers, hidden, seq, vocab, "7psi")
+    model = planner.Model(layers, hidden, 4, seq, vocab)
+    settings, hw = planner.Settings(global_batch_tokens=seq * 8), planner.Hardware(8)
+    ratio = planner.mfu(model, settings, hw, 1.0, True) / planner.mfu(model, settings, hw, 1.0)
+    assert ratio == pytest.approx(flops(layers, hidden, seq, vocab, "attention") / (6 * psi))
 
 
 def test_what_does_not_fit_is_left_out(capsys):
-    """A 70B model in 16-bit needs 140 GB for its weights alone: 8 GPUs of 80 GB can hold
-    it only sharded, and one GPU cannot."""
     one = planned(capsys, [*SHAPE_70B, "--gpus", "8", "--global-batch-tokens", "32K"])
     assert all(c["zero"] == "zero3" or c["tp"] * c["pp"] > 1 for c in one["configurations"])
     with pytest.raises(SystemExit):
@@ -128,17 +294,27 @@ def test_what_does_not_fit_is_left_out(capsys):
 
 def test_a_shape_from_a_parameter_count_has_about_that_many():
     for count in (1.3e9, 13e9, 70e9, 175e9):
-        shape = plan.shape_from_params(count, 2048, 51200)
-        params = plan.memory_model.transformer_params(shape.layers, shape.hidden, shape.vocab,
-                                                      shape.seq)
-        assert abs(params - count) / count < 0.1, (count, shape)
-        assert shape.hidden % shape.heads == 0
+        model = plan.shape_from_params(count, 2048)
+        assert abs(model.params() - count) / count < 0.1, (count, model)
+        assert model.hidden % model.heads == 0
+
+
+def test_degree_lists():
+    assert plan.degrees("1,2,4") == [1, 2, 4] and plan.degrees("1-4") == [1, 2, 3, 4]
+    assert math.isclose(plan.fraction("0.5"), 0.5)
 
 
 def test_bad_input_is_refused_in_one_line(script):
-    assert_refused(plan.parse_args, ["--gpus", "8"], "give --params P, or a whole model shape")
+    assert_refused(plan.parse_args, ["--gpus", "8"], "give --model NAME, --params P")
     assert_refused(plan.parse_args, ["--params", "7B", "--layers", "2", "--gpus", "8"], "not both")
     assert_refused(plan.parse_args, ["--params", "7B", "--gpus", "8", "--mfu", "1.5"], "at most 1")
     assert_refused(plan.parse_args, ["--params", "7B", "--gpus", "8", "--seq", "3000",
                                      "--global-batch-tokens", "4M"], "not a whole number")
+    assert_refused(plan.parse_args, ["--model", "llama3-8b", "--gpus", "8", "--layout", "tp=x"],
+                   "not a layout")
+    assert_refused(plan.parse_args, ["--model", "llama3-8b", "--gpus", "8", "--cp", "0"],
+                   "at least 1")
+    assert_refused(plan.parse_args, ["--layers", "2", "--hidden", "64", "--heads", "4",
+                                     "--vocab", "100", "--experts", "4", "--top-k", "8",
+                                     "--expert-hidden", "32", "--gpus", "8"], "--top-k")
     assert_fails_with_one_line(script("plan", "--params", "lots", "--gpus", "8"), "--params")

@@ -434,6 +434,17 @@ def tensor_parallel_break_even_tp(hidden, flops_per_s, bytes_per_s, value_bytes=
     return 1 + 9 * hidden * bytes_per_s / (value_bytes * flops_per_s)
 
 
+def data_parallel_min_tokens(flops_per_s, bytes_per_s, value_bytes=2):
+    """Tokens a data-parallel replica must handle per step for its backward's matrix
+    products to outlast its gradients' all-reduce (Austin et al., 2025, "How to Scale Your
+    Model", the training chapter's B/X > C/W): backward costs 4 FLOPs per parameter and
+    token at `flops_per_s`, the ring all-reduce sends 2 x value_bytes per parameter at
+    `bytes_per_s` each way (NCCL's bus bandwidth), so T > value_bytes R / (2 beta). FSDP's
+    gathers and reduce-scatters move the same bytes and give the same bound. Austin et
+    al. count a bidirectional link's two directions as one bandwidth W, which halves it."""
+    return value_bytes * flops_per_s / (2 * bytes_per_s)
+
+
 # Context parallelism: each rank holds s/N of every sequence's tokens and all the weights.
 
 CP_METHODS = ("ring", "allgather", "ulysses")

@@ -1,0 +1,643 @@
+"""The planner: every layout of N GPUs over five degrees, with its memory per GPU and its
+step time, fastest first. No torch: the same code runs in labs/plan.py and in a browser.
+
+Degrees, and where their ranks sit (the order of torchtitan's and Megatron-Core's device
+meshes, tp innermost, pp outermost: [pp, dp, cp, tp]):
+  tp  tensor parallelism with sequence parallelism, inside a node
+  cp  context parallelism: each rank holds s/cp tokens of every sequence; attention's
+      keys and values pass round a ring, overlapped with the blocks' compute
+  dp  data parallelism, with ZeRO 0-3 over the dp x cp ranks that hold the same weights
+      (the gradients of cp ranks are reduced together, as Megatron-Core and torchtitan do)
+  pp  pipeline stages, 1F1B or interleaved with v chunks per rank, any m >= 1
+  ep  expert parallelism, for mixture-of-experts shapes: each MoE layer's experts over ep
+      of the dp x cp ranks (ep divides dp x cp, as in Megatron-Core and torchtitan: it
+      does not multiply N); the experts' own data parallelism is dp x cp / ep
+N = dp x cp x pp x tp.
+
+Memory (the fullest pipeline stage, memory_model's accounting): mixed-precision Adam
+states (2 + 2 + 12 bytes per parameter) sharded by the ZeRO stage over the ranks that hold
+them; activations per Korthikanti et al. (2022), split tp ways, of the micro-batches the
+schedule keeps in flight (memory_model.pipeline_peak_microbatches); recomputation none,
+selective (attention's s x s part rebuilt) or full (each layer keeps its input); a fused
+attention (FlashAttention) keeps no s x s matrix; the last stage keeps the logits in fp32.
+
+Time, per step: compute at a stated fraction of the peak; the pipeline's idle time
+(time_model.pipeline_bubble_fraction, m < p included); tensor-parallel collectives
+(comm_model.tensor_parallel_collectives) on NVLink, a stated fraction overlapped; the
+pipeline's sends; the data-parallel collectives (comm_model.data_parallel_step_collectives)
+over the hierarchical links (time_model.hierarchical_allreduce_time), hidden behind
+backward as far as they fit; context parallelism's ring, exposed where a block's transfer
+outlasts its compute; expert parallelism's all-to-alls, exposed.
+"""
+
+import dataclasses
+import functools
+import math
+from collections import Counter
+
+from . import comm_model, hardware, memory_model, time_model
+
+RECOMPUTE = ("none", "selective", "full")
+SCHEDULES = ("1f1b", "interleaved")
+ZERO = memory_model.STRATEGIES
+MICRO_BATCH_SIZES = (1, 2, 4, 8)
+CHUNKS = (1, 2, 4)             # interleaved: model chunks per rank considered
+VALUE_BYTES = 2                # bf16 activations and collectives
+# The fraction of the dense peak the computation runs at when nothing waits: large bf16
+# matmuls reach well above it, attention, norms and elementwise kernels well below. An
+# assumption (--mfu), not a measurement; the MFU the planner reports is lower.
+COMPUTE_EFFICIENCY = 0.55
+# Tensor-parallel collectives hidden behind compute: none by default, as in Megatron-LM's
+# 2021 runs and torch's plain TP; asynchronous TP (torchtitan's, Megatron-Core's
+# --tp-comm-overlap) hides part of them: pass the fraction (--tp-overlap).
+TP_OVERLAP = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A decoder-only transformer. gpt=True is the course's model (labs/labkit/
+    transformer.py, GPT-2/3 and Megatron-LM's GPT): biases, LayerNorms, learned positions,
+    an MLP of ffn_hidden (4h) with GELU. gpt=False is a Llama-style model: no biases,
+    RMSNorm, rotary positions, a SwiGLU MLP (three matrices of h x ffn_hidden) and
+    kv_heads key-value heads (grouped-query attention). With experts > 0 the MLPs of all
+    layers after the first dense_layers are `experts` routed experts of expert_hidden,
+    top_k per token, plus shared_experts always used. attention_params overrides the
+    attention's parameter count per layer (DeepSeek's multi-head latent attention)."""
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    vocab: int
+    ffn_hidden: int = 0            # 0: 4 x hidden
+    kv_heads: int = 0              # 0: heads
+    gpt: bool = True
+    tied: bool = False
+    experts: int = 0
+    top_k: int = 0
+    expert_hidden: int = 0
+    shared_experts: int = 0
+    dense_layers: int = 0
+    attention_params: int = 0
+    node_limit: int = 0            # routing reaches at most this many nodes (0: any)
+    name: str = ""
+
+    @property
+    def ffn(self):
+        return self.ffn_hidden or 4 * self.hidden
+
+    @property
+    def kv_dim(self):
+        return (self.kv_heads or self.heads) * (self.hidden // self.heads)
+
+    @property
+    def moe_layers(self):
+        return self.layers - self.dense_layers if self.experts else 0
+
+    def check(self):
+        """A message saying what is wrong with the shape, or None."""
+        for name in ("layers", "hidden", "heads", "seq", "vocab"):
+            if getattr(self, name) < 1:
+                return f"--{name} must be a positive integer, got {getattr(self, name)}"
+        if self.hidden % self.heads:
+            return f"--hidden {self.hidden} is not divisible by --heads {self.heads}"
+        if self.kv_heads and self.heads % self.kv_heads:
+            return f"--heads {self.heads} is not a multiple of --kv-heads {self.kv_heads}"
+        if self.experts and not (1 <= self.top_k <= self.experts and self.expert_hidden):
+            return (f"a mixture of experts needs 1 <= --top-k <= --experts ({self.experts}) "
+                    f"and --expert-hidden, got --top-k {self.top_k}")
+        if self.dense_layers > self.layers:
+            return f"--dense-layers {self.dense_layers} is more than --layers {self.layers}"
+        return None
+
+    # Parameters, per layer and outside the layers
+
+    def attention(self):
+        """(split tp ways, replicated) parameters of one layer's attention and norms."""
+        h = self.hidden
+        if self.attention_params:
+            return self.attention_params, 2 * h
+        if self.gpt:   # QKV 3h^2 + 3h, projection h^2 (+ its bias h, replicated), 2 LNs 4h
+            return 4 * h * h + 3 * h, 5 * h
+        return 2 * h * h + 2 * h * self.kv_dim, 2 * h   # Q, O; K, V; two RMSNorms
+
+    def mlp(self, ffn):
+        """(split, replicated) parameters of one MLP (or expert) of width ffn."""
+        h = self.hidden
+        if self.gpt:   # fc1 h f + f, fc2 f h (+ its bias h, replicated)
+            return 2 * h * ffn + ffn, h
+        return 3 * h * ffn, 0
+
+    def layer_params(self, layer, tp=1, ep=1):
+        """(dense, expert) parameters one rank holds of layer `layer`, split tp ways, its
+        routed experts ep ways (their matrices tp ways too, as Megatron-Core's default)."""
+        split, replicated = self.attention()
+        if self.experts and layer >= self.dense_layers:
+            e_split, e_repl = self.mlp(self.expert_hidden)
+            shared = self.shared_experts * e_split
+            router = self.hidden * self.experts
+            dense = (split + shared) / tp + replicated + router + self.shared_experts * e_repl
+            return dense, self.experts / ep * (e_split / tp + e_repl)
+        m_split, m_repl = self.mlp(self.ffn)
+        return (split + m_split) / tp + replicated + m_repl, 0
+
+    def outside_params(self, first, last, tp=1):
+        """Parameters of the embedding (first stage) and final norm and head (last)."""
+        h = self.hidden
+        count = 0
+        if first:
+            count += self.vocab * h / tp + (self.seq * h if self.gpt else 0)
+        if last:
+            count += (2 * h if self.gpt else h) + (0 if self.tied else self.vocab * h / tp)
+        return count
+
+    def params(self):
+        """All parameters."""
+        return sum(stage_params(self, 0, self.layers, 1, 1, True, True))
+
+    @functools.lru_cache(maxsize=None)   # noqa: B019  a frozen model: its count never changes
+    def active_params(self):
+        """Parameters one token uses: its top_k routed experts of every MoE layer."""
+        if not self.experts:
+            return self.params()
+        routed = self.mlp(self.expert_hidden)
+        return self.params() - self.moe_layers * (self.experts - self.top_k) * sum(routed)
+
+    def attention_flops_per_token(self):
+        """Attention's two matrix products, forward and backward, per token: 12 L h s
+        (scores Q K^T and weights x V, 2 x 2 h s forward, twice that backward), causal
+        masking not discounted, as Megatron-LM, PaLM and torchtitan count them."""
+        return 12 * self.layers * self.hidden * self.seq
+
+    # Activations: values one layer keeps per token (Korthikanti et al., 2022)
+
+    def layer_activation_values(self, layer, tp, sequence_parallel=True, flash=True):
+        """16-bit values per token one layer keeps for backward on one of tp ranks, no
+        dropout: the norms' inputs 2h, the QKV input h, Q h, K and V 2 h_kv, attention's
+        output h, the MLP's input h, the MLP's inner values (GELU's input and output 2f;
+        SwiGLU's gate, up and their product 3f; a MoE layer: k routed copies of the input,
+        inner values and output, and the shared experts'). The norms' and matmul inputs
+        (4h) are replicated over tp unless sequence parallelism splits the tokens.
+        Without a fused attention, the softmax's output: heads x s more per token."""
+        h, split_inputs = self.hidden, (tp if sequence_parallel else 1)
+        inner_per_width = 2 if self.gpt else 3
+        if self.experts and layer >= self.dense_layers:
+            mlp = (self.top_k * (2 * h + inner_per_width * self.expert_hidden)
+                   + self.shared_experts * inner_per_width * self.expert_hidden)
+        else:
+            mlp = inner_per_width * self.ffn
+        split = h + 2 * self.kv_dim + h + mlp
+        values = 4 * h / split_inputs + split / tp
+        if not flash:
+            values += self.heads * self.seq / tp
+        return values
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    gpus: int
+    gpus_per_node: int = hardware.GPUS_PER_NODE
+    gpu_memory_gb: float = 80.0
+    peak_tflops: float = hardware.H100_BF16_FLOPS / 1e12
+    nvlink_gb_s: float = hardware.NVLINK[1] / 1e9
+    network_gb_s: float = hardware.NIC[1] / 1e9
+
+    @property
+    def nvlink(self):
+        return hardware.NVLINK[0], self.nvlink_gb_s * 1e9
+
+    @property
+    def network(self):
+        return hardware.NIC[0], self.network_gb_s * 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What the run fixes besides the layout and the hardware."""
+    global_batch_tokens: int
+    mfu: float = COMPUTE_EFFICIENCY
+    tp_overlap: float = TP_OVERLAP
+    flash_attention: bool = True
+    zero: tuple = ZERO
+    recompute: tuple = RECOMPUTE     # or one of them
+    cp_method: str = "ring"
+
+
+def divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def group_time(op, bytes_, size, span_per_node, hw):
+    """Seconds of one collective over `size` ranks of which `span_per_node` share a node:
+    a ring on NVLink inside one node; across nodes the two-level algorithm
+    (time_model.hierarchical_allreduce_time), an all-gather or reduce-scatter half of it."""
+    if size == 1:
+        return 0.0
+    if size <= span_per_node:
+        if op == "all_reduce":
+            return comm_model.allreduce_time(bytes_, size, *hw.nvlink)
+        return time_model.shard_collective_time(bytes_, size, *hw.nvlink)
+    whole = time_model.hierarchical_allreduce_time(bytes_, size, span_per_node, hw.nvlink,
+                                                   hw.network)
+    return whole if op == "all_reduce" else whole / 2
+
+
+def priced(collectives, size, per_node, hw):
+    """Seconds of a list of (op, elements) collectives of 16-bit values (group_time)."""
+    return sum(count * group_time(op, VALUE_BYTES * numel, size, per_node, hw)
+               for (op, numel), count in Counter(collectives).items())
+
+
+@functools.lru_cache(maxsize=65536)
+def tensor_parallel_time(layers, seq, batch, hidden, tp, embedding, microbatches, recompute,
+                         hw):
+    """Seconds of one rank's tensor-parallel collectives in a step, sequence parallelism
+    on (comm_model.tensor_parallel_collectives: the head's on the stage, the embedding's
+    too when it is the only stage), each at its ring time on NVLink."""
+    plan = comm_model.tensor_parallel_collectives(
+        layers, seq, batch, hidden, tp, sequence_parallel=True, embedding=embedding,
+        head=True, microbatches=1, recompute=recompute)
+    # every micro-batch issues the same list; the replicated gradients' all-reduce
+    # (the last entry) once per step
+    per_micro_batch, once = plan[:-1], plan[-1:]
+    return microbatches * priced(per_micro_batch, tp, tp, hw) + priced(once, tp, tp, hw)
+
+
+@functools.lru_cache(maxsize=65536)
+def data_parallel_time(zero, params, microbatches, units, size, per_node, hw):
+    """Seconds of a step's data-parallel collectives (comm_model.
+    data_parallel_step_collectives) over `size` replicas, `per_node` of them per node."""
+    return priced(comm_model.data_parallel_step_collectives(zero, params, microbatches,
+                                                            units), size, per_node, hw)
+
+
+@functools.lru_cache(maxsize=65536)
+def stage_params(model, first_layer, layers, tp, ep, first, last):
+    """(dense, expert) parameters one rank of a stage holds: `layers` layers from
+    `first_layer`, the embedding if `first`, the final norm and head if `last`."""
+    dense = expert = 0
+    for i in range(first_layer, first_layer + layers):
+        d, e = model.layer_params(i, tp, ep)
+        dense, expert = dense + d, expert + e
+    return dense + model.outside_params(first, last, tp), expert
+
+
+@functools.lru_cache(maxsize=65536)
+def stage_activation_values(model, first_layer, layers, tp, flash):
+    """(sum, largest) of layer_activation_values over a stage's layers."""
+    values = [model.layer_activation_values(i, tp, True, flash)
+              for i in range(first_layer, first_layer + layers)]
+    return sum(values), max(values, default=0)
+
+
+@functools.lru_cache(maxsize=4096)
+def stage_imbalance(model, pp, flash=True):
+    """The slowest pipeline stage's FLOPs over the mean stage's: each layer 6 x its active
+    parameters and attention's products per token, the head's 6 V h on the last stage."""
+    if pp == 1:
+        return 1.0
+    attention = model.attention_flops_per_token() / model.layers * (0.5 if flash else 1)
+    routed_unused = (model.experts - model.top_k) * sum(model.mlp(model.expert_hidden)) \
+        if model.experts else 0
+
+    def layer_flops(i):
+        unused = routed_unused if model.experts and i >= model.dense_layers else 0
+        return 6 * (sum(model.layer_params(i)) - unused) + attention
+
+    stages, start = [], 0
+    for count in memory_model.stage_layers(model.layers, pp):
+        stages.append(sum(layer_flops(i) for i in range(start, start + count)))
+        start += count
+    stages[-1] += 6 * model.vocab * model.hidden * (0 if model.tied else 1)
+    return max(stages) * pp / sum(stages)
+
+
+def members_per_node(inner, size, hw):
+    """Ranks of a group of `size` (its members `inner` ranks apart) on one node: as many
+    as the node holds, in whole shares of the group."""
+    return math.gcd(size, hw.gpus_per_node // inner) if inner < hw.gpus_per_node else 1
+
+
+def memory(model, layout, settings, hw):
+    """{params, grads, optimizer, states, activations, logits, total, stage} bytes on the
+    fullest GPU of `layout` (dp, tp, pp, cp, ep, v, micro_batch, microbatches, zero,
+    recompute)."""
+    tp, pp, cp, ep, v = (layout[k] for k in ("tp", "pp", "cp", "ep", "chunks"))
+    b, m, zero, recompute = (layout[k] for k in ("micro_batch", "microbatches", "zero",
+                                                  "recompute"))
+    replicas = layout["dp"] * cp                 # ranks holding the same dense weights
+    schedule = "interleaved" if v > 1 else "1f1b"
+    in_flight = memory_model.pipeline_peak_microbatches(schedule, pp, m, v)
+    bounds = memory_model.stage_layers(model.layers, pp)
+    tokens = model.seq // cp * b                  # of one micro-batch, on this rank
+    worst, first_layer = None, 0
+    for stage in range(pp):
+        layers = range(first_layer, first_layer + bounds[stage])
+        first_layer += bounds[stage]
+        first, last = stage == 0, stage == pp - 1
+        dense, experts = stage_params(model, layers.start, len(layers), tp, ep, first, last)
+        states = memory_model.state_bytes_per_gpu(dense, replicas, zero)
+        if experts:
+            e = memory_model.state_bytes_per_gpu(experts, max(1, replicas // ep), zero)
+            states = {k: states[k] + e[k] for k in states}
+        if recompute == "full":     # each layer's input, and one layer rebuilt at a time
+            kept = len(layers) * model.hidden / tp
+            rebuilt = stage_activation_values(model, layers.start, len(layers), tp,
+                                              settings.flash_attention)[1]
+        else:   # selective recomputation rebuilds attention's s x s part: none kept
+            kept = stage_activation_values(model, layers.start, len(layers), tp,
+                                           settings.flash_attention or recompute != "none")[0]
+            rebuilt = 0
+        # in flight: micro-batches (1F1B) or chunk-micro-batches of 1/v of the layers
+        held = in_flight[stage] / v
+        # the last stage's head: the final norm's input and output (split by sequence
+        # parallelism) and the logits' softmax in fp32, split over the vocabulary, for the
+        # micro-batch whose backward comes next (memory_model.stage_activation_bytes)
+        head = (VALUE_BYTES * 2 * model.hidden / tp + 4 * model.vocab / tp) * tokens if last else 0
+        if recompute == "full":   # backward starts at the head, then rebuilds layer by layer
+            activations = VALUE_BYTES * tokens * held * kept + max(
+                VALUE_BYTES * tokens * rebuilt, head)
+        else:
+            activations = VALUE_BYTES * tokens * held * kept + head
+        row = {"params": states["params"], "grads": states["grads"],
+               "optimizer": states["optimizer"], "states": states["total"],
+               "activations": activations, "logits": head,
+               "total": states["total"] + activations, "stage": stage}
+        if worst is None or row["total"] > worst["total"]:
+            worst = row
+    return worst
+
+
+def step_time(model, layout, settings, hw):
+    """{compute, recompute, bubble, tp, pp, dp, cp, ep, step} seconds of one step."""
+    dp, tp, pp, cp, ep, v = (layout[k] for k in ("dp", "tp", "pp", "cp", "ep", "chunks"))
+    b, m, zero, recompute = (layout[k] for k in ("micro_batch", "microbatches", "zero",
+                                                  "recompute"))
+    n, rate = hw.gpus, hw.peak_tflops * 1e12 * settings.mfu
+    tokens = settings.global_batch_tokens
+    # Attention's products as executed: a fused kernel skips the blocks a causal mask hides
+    attention = model.attention_flops_per_token() * (0.5 if settings.flash_attention else 1)
+    dense = 6 * model.active_params()
+    compute = (dense + attention) * tokens / n / rate
+    forward = compute / 3
+    extra = {"none": 0.0, "full": forward,
+             "selective": attention / 3 * tokens / n / rate}[recompute]
+    work = compute + extra
+    # The pipeline waits for its slowest stage (the embedding's and the head's work sit on
+    # the first and last), and idles in the schedule's fill and drain
+    slowest = work * stage_imbalance(model, pp, settings.flash_attention)
+    fraction = time_model.pipeline_bubble_fraction(pp, m, v)
+    bubble = slowest / (1 - fraction) - work
+
+    seq = model.seq // cp
+    node = hw.gpus_per_node
+    # tensor parallelism: the one traffic model (comm_model), the stage with most layers
+    tp_s = 0.0
+    if tp > 1:
+        stage_layers = max(memory_model.stage_layers(model.layers, pp))
+        tp_s = tensor_parallel_time(stage_layers, seq, b, model.hidden, tp, pp == 1, m,
+                                    recompute == "full", hw) * (1 - settings.tp_overlap)
+    # pipeline: an activation forward and its gradient back per micro-batch and chunk
+    pp_s = 0.0
+    if pp > 1:
+        alpha, beta = hw.nvlink if tp * cp * dp * pp <= node else hw.network
+        pp_s = m * v * 2 * (alpha + VALUE_BYTES * b * seq * model.hidden / beta)
+    # data parallelism over the dp x cp replicas (experts over dp x cp / ep), hierarchical
+    replicas = dp * cp
+    dp_s = 0.0
+    stage = memory_model.stage_layers(model.layers, pp)
+    layers_here = range(sum(stage[:-1]), model.layers)     # the last stage, with the head
+    dense, experts = stage_params(model, layers_here.start, len(layers_here), tp, ep,
+                                  pp == 1, True)
+    # the dense replicas' ranks are tp apart; an expert's replicas, tp x ep apart
+    for params, size, inner in ((dense, replicas, tp), (experts, replicas // ep, tp * ep)):
+        if params and size > 1:
+            per_node = members_per_node(inner, size, hw)
+            dp_s += data_parallel_time(zero, params, m, len(layers_here), size, per_node, hw)
+    backward = 2 * forward
+    window = {"ddp": backward / m, "zero1": backward / m, "zero2": backward,
+              "zero3": work}[zero]
+    dp_exposed = max(0.0, dp_s - window)
+    # context parallelism: the ring passes K and V blocks; each step overlaps one block
+    cp_s = 0.0
+    if cp > 1:
+        link = hw.nvlink if tp * cp <= node else hw.network
+        block = VALUE_BYTES * 2 * b * seq * model.kv_dim
+        send = link[0] + block / link[1]
+        block_flops = 4 * b * seq * seq * model.hidden / tp * 0.5 * 3   # fwd + bwd, causal
+        per_layer = (cp - 1) * max(0.0, 2 * send - block_flops / rate) if cp > 1 else 0.0
+        cp_s = per_layer * max(stage) * m
+    # expert parallelism: dispatch and combine, forward and backward, exposed
+    ep_s = 0.0
+    if model.experts and ep > 1:
+        per_node = members_per_node(tp, ep, hw)
+        nodes = max(1, ep // per_node)
+        routed_tokens = b * seq / tp
+        copies = model.top_k * (ep - 1) / ep
+        nv_bytes = VALUE_BYTES * routed_tokens * model.hidden * copies
+        if nodes > 1:
+            if model.node_limit:   # one copy per node reached, forwarded inside it
+                reached = float(comm_model.expected_nodes_reached(
+                    model.experts, nodes, model.top_k, model.node_limit))
+                off_node = reached * (nodes - 1) / nodes
+            else:                  # one copy per routed expert on another node
+                off_node = model.top_k * (ep - per_node) / ep
+            net_bytes = VALUE_BYTES * routed_tokens * model.hidden * off_node
+            one = max(hw.network[0] + net_bytes / hw.network[1],
+                      hw.nvlink[0] + nv_bytes / hw.nvlink[1])
+        else:
+            one = hw.nvlink[0] + nv_bytes / hw.nvlink[1]
+        moe_here = sum(1 for i in layers_here if i >= model.dense_layers)
+        ep_s = 4 * one * moe_here * m
+    result = {"compute": compute, "recompute": extra, "bubble": bubble, "tp": tp_s,
+              "pp": pp_s, "dp": dp_exposed, "cp": cp_s, "ep": ep_s}
+    result["step"] = sum(result.values())
+    return result
+
+
+def mfu(model, settings, hw, step_s, with_attention=False):
+    """Model FLOPs over the step's peak FLOPs: 6 x (active) parameters per token, plus
+    attention's 12 L h s with_attention (Megatron-LM's and PaLM's count, recomputation
+    not counted)."""
+    flops = 6 * model.active_params() + (model.attention_flops_per_token()
+                                         if with_attention else 0)
+    return flops * settings.global_batch_tokens / (step_s * hw.gpus * hw.peak_tflops * 1e12)
+
+
+def why_not(model, layout, settings, hw):
+    """Why `layout` (its degrees) cannot run this model, or None."""
+    dp, tp, pp, cp, ep, v = (layout[k] for k in ("dp", "tp", "pp", "cp", "ep", "chunks"))
+    if dp * tp * pp * cp != hw.gpus:
+        return f"dp x tp x pp x cp = {dp * tp * pp * cp}, not the {hw.gpus} GPUs"
+    if hw.gpus_per_node % tp:
+        return f"tp {tp} does not divide a node of {hw.gpus_per_node} GPUs"
+    if model.heads % tp or (model.kv_heads or model.heads) % tp and not model.attention_params:
+        return f"tp {tp} does not divide the {model.heads} heads ({model.kv_heads or model.heads} key-value)"
+    if model.vocab % tp:
+        return f"tp {tp} does not divide the vocabulary of {model.vocab}"
+    if pp * v > model.layers:
+        return f"pp {pp} x {v} chunks is more than the {model.layers} layers"
+    if model.seq % (2 * cp if cp > 1 else 1):
+        return f"cp {cp} does not divide the sequence of {model.seq} into 2 cp chunks"
+    if ep > 1 and not model.experts:
+        return "ep > 1 needs a mixture-of-experts model (--experts)"
+    if model.experts and (model.experts % ep or (dp * cp) % ep):
+        return f"ep {ep} must divide the {model.experts} experts and dp x cp = {dp * cp}"
+    sequences = settings.global_batch_tokens // model.seq
+    if sequences % dp:
+        return f"dp {dp} does not divide the batch of {sequences} sequences"
+    return None
+
+
+def evaluate(model, layout, settings, hw):
+    """`layout` with its memory, time and MFU (a new dict)."""
+    mem = memory(model, layout, settings, hw)
+    time_s = step_time(model, layout, settings, hw)
+    return {**layout, "memory_bytes": mem, "fits": mem["total"] <= hw.gpu_memory_gb * 1e9,
+            "time_s": time_s,
+            "tokens_per_s_per_gpu": settings.global_batch_tokens / time_s["step"] / hw.gpus,
+            "mfu": mfu(model, settings, hw, time_s["step"]),
+            "mfu_with_attention": mfu(model, settings, hw, time_s["step"], True)}
+
+
+def settings_for(model, degrees, settings):
+    """Every (micro-batch, chunks, ZeRO stage, recomputation) to try with `degrees`."""
+    sequences = settings.global_batch_tokens // model.seq // degrees["dp"]
+    pp = degrees["pp"]
+    chunk_options = [degrees["chunks"]] if "chunks" in degrees else \
+        [v for v in CHUNKS if pp > 1 or v == 1]
+    for b in MICRO_BATCH_SIZES:
+        if sequences % b:
+            continue
+        for v in chunk_options:
+            if pp * v > model.layers:
+                continue
+            for zero in settings.zero:
+                for recompute in settings.recompute:
+                    yield {**degrees, "chunks": v, "micro_batch": b,
+                           "microbatches": sequences // b, "zero": zero,
+                           "recompute": recompute, "sequence_parallel": degrees["tp"] > 1}
+
+
+def degree_options(model, hw, cp=None, ep=None):
+    """Every (dp, tp, pp, cp, ep) of the GPUs, before the model's own limits."""
+    for tp in divisors(hw.gpus_per_node):
+        if hw.gpus % tp:
+            continue
+        for cp_ in (cp if cp is not None else [1]):
+            if hw.gpus % (tp * cp_):
+                continue
+            for pp in divisors(hw.gpus // (tp * cp_)):
+                dp = hw.gpus // (tp * cp_ * pp)
+                for ep_ in (ep if ep is not None else [1]):
+                    yield {"dp": dp, "tp": tp, "pp": pp, "cp": cp_, "ep": ep_}
+
+
+def configurations(model, settings, hw, cp=None, ep=None):
+    """Every configuration that fits, fastest first (then least memory)."""
+    found = []
+    for degrees in degree_options(model, hw, cp, ep):
+        layout = {**degrees, "chunks": 1}
+        if why_not(model, layout, settings, hw):
+            continue
+        for config in settings_for(model, degrees, settings):
+            if why_not(model, config, settings, hw):
+                continue
+            result = evaluate(model, config, settings, hw)
+            if result["fits"]:
+                found.append(result)
+    found.sort(key=lambda c: (c["time_s"]["step"], c["memory_bytes"]["total"]))
+    return found
+
+
+def cheapest_recompute(found):
+    """Of configurations differing only in recomputation, keep the fastest: the planner's
+    --recompute auto."""
+    best = {}
+    for c in found:
+        key = tuple(c[k] for k in ("dp", "tp", "pp", "cp", "ep", "chunks", "micro_batch",
+                                   "zero"))
+        if key not in best:
+            best[key] = c
+    return sorted(best.values(), key=lambda c: (c["time_s"]["step"],
+                                                c["memory_bytes"]["total"]))
+
+
+def rank_layout(model, degrees, settings, hw, found):
+    """The best configuration with these degrees (and chunks, if given), where it ranks
+    among `found` (1 = the fastest), and the best step time; or why it does not fit."""
+    layout = {"cp": 1, "ep": 1, **degrees}
+    reason = why_not(model, {"chunks": 1, **layout}, settings, hw)
+    best_time = found[0]["time_s"]["step"] if found else None
+    if reason:
+        return {**layout, "rank": None, "step_time_s": None, "best_step_time_s": best_time,
+                "reason": reason}
+    tried = [evaluate(model, c, settings, hw) for c in settings_for(model, layout, settings)
+             if not why_not(model, c, settings, hw)]
+    fitting = sorted((c for c in tried if c["fits"]),
+                     key=lambda c: (c["time_s"]["step"], c["memory_bytes"]["total"]))
+    if not fitting:
+        smallest = min(tried, key=lambda c: c["memory_bytes"]["total"], default=None)
+        reason = ("no micro-batch size divides the batch" if smallest is None else
+                  f"needs {smallest['memory_bytes']['total'] / 1e9:.1f} GB per GPU at "
+                  f"least (micro-batch {smallest['micro_batch']}, {smallest['zero']}, "
+                  f"recompute {smallest['recompute']}), more than "
+                  f"{hw.gpu_memory_gb:g} GB")
+        return {**layout, "rank": None, "step_time_s": None, "best_step_time_s": best_time,
+                "reason": reason}
+    mine = fitting[0]
+    rank = 1 + sum(1 for c in found if c["time_s"]["step"] < mine["time_s"]["step"])
+    return {**mine, "rank": rank, "step_time_s": mine["time_s"]["step"],
+            "best_step_time_s": min(best_time or math.inf, mine["time_s"]["step"]),
+            "reason": None}
+
+
+def parse_layout(text):
+    """'tp=8,pp=16,dp=128[,cp=..,ep=..,v=..]' -> {dp, tp, pp, cp, ep[, chunks]}."""
+    names = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "v": "chunks"}
+    layout = {}
+    for part in text.split(","):
+        key, _, value = part.partition("=")
+        key = key.strip()
+        if key not in names or not value.strip().isdigit() or int(value) < 1:
+            raise ValueError(f"not a layout: {text!r} (tp=8,pp=16,dp=128[,cp=2,ep=8,v=2], "
+                             f"each a positive whole number)")
+        layout[names[key]] = int(value)
+    missing = {"dp", "tp", "pp"} - set(layout)
+    if missing:
+        raise ValueError(f"the layout {text!r} needs {', '.join(sorted(missing))}")
+    return {"cp": 1, "ep": 1, **layout}
+
+
+def plan(model, settings, hw, cp=None, ep=None):
+    """The fitting configurations, fastest first, one per setting of everything but the
+    recomputation when that is 'auto' (settings.recompute = RECOMPUTE)."""
+    found = configurations(model, settings, hw, cp, ep)
+    return cheapest_recompute(found) if len(settings.recompute) > 1 else found
+
+
+def _deepseek_v3():
+    c = memory_model.DEEPSEEK_V3
+    attention = memory_model.mla_attention_params(
+        c["hidden"], c["heads"], c["q_rank"], c["kv_rank"], c["head_dim"], c["rope_dim"],
+        c["v_head_dim"])
+    return Model(layers=c["layers"], hidden=c["hidden"], heads=c["heads"], seq=4096,
+                 vocab=c["vocab"], ffn_hidden=c["dense_ffn"], gpt=False,
+                 experts=c["routed_experts"], top_k=c["top_k"], expert_hidden=c["expert_ffn"],
+                 shared_experts=c["shared_experts"], dense_layers=c["dense_layers"],
+                 attention_params=attention, node_limit=4, name="DeepSeek-V3")
+
+
+# Published shapes. GPT-3: Brown et al. (2020), Table 2.1, its vocabulary padded to 51,200
+# as Megatron-LM pads GPT-2's. Llama 3: Dubey et al. (2024), Table 3 (8,192-token
+# pre-training sequences). DeepSeek-V3: its report, section 2 and 4.2 (4,096-token
+# sequences), memory_model.DEEPSEEK_V3.
+PRESETS = {
+    "gpt3-175b": Model(96, 12288, 96, 2048, 51200, name="GPT-3 175B"),
+    "llama3-8b": Model(32, 4096, 32, 8192, 128256, ffn_hidden=14336, kv_heads=8, gpt=False,
+                       name="Llama 3 8B"),
+    "llama3-70b": Model(80, 8192, 64, 8192, 128256, ffn_hidden=28672, kv_heads=8, gpt=False,
+                        name="Llama 3 70B"),
+    "llama3-405b": Model(126, 16384, 128, 8192, 128256, ffn_hidden=53248, kv_heads=8,
+                         gpt=False, name="Llama 3 405B"),
+    "deepseek-v3": _deepseek_v3(),
+}
