@@ -318,3 +318,17 @@ def test_bad_input_is_refused_in_one_line(script):
                                      "--vocab", "100", "--experts", "4", "--top-k", "8",
                                      "--expert-hidden", "32", "--gpus", "8"], "--top-k")
     assert_fails_with_one_line(script("plan", "--params", "lots", "--gpus", "8"), "--params")
+
+
+def test_when_communication_binds_by_hand():
+    """Austin et al.'s two rules in NCCL's terms: a data-parallel replica is compute-bound
+    when backward's 4 FLOPs per parameter and token outlast the ring all-reduce's 2 x 2
+    bytes per parameter; tensor parallelism when an MLP's forward, 4 b s h F / t FLOPs,
+    outlasts its all-gather and reduce-scatter of b s h bf16 values."""
+    rate, beta = 1e15, 1e11
+    tokens = comm_model.data_parallel_min_tokens(rate, beta)
+    params = 1e9
+    assert 4 * params * tokens / rate == pytest.approx(2 * 2 * params / beta)
+    degree = comm_model.tensor_parallel_max_degree(28672, rate, beta)
+    bsh, ffn = 4096 * 8192, 28672
+    assert 4 * bsh * ffn / degree / rate == pytest.approx(2 * 2 * bsh / beta)

@@ -445,6 +445,16 @@ def data_parallel_min_tokens(flops_per_s, bytes_per_s, value_bytes=2):
     return value_bytes * flops_per_s / (2 * bytes_per_s)
 
 
+def tensor_parallel_max_degree(ffn_hidden, flops_per_s, bytes_per_s, value_bytes=2):
+    """The tensor-parallel degree below which an MLP's two matrix products outlast the
+    all-gather and reduce-scatter around them (Austin et al., 2025, "How to Scale Your
+    Model": Y < F W / C): forward, 4 b s h F / t FLOPs at `flops_per_s` against two ring
+    collectives of b s h values, (t-1)/t x value_bytes x b s h bytes each at `bytes_per_s`
+    each way, so t < 2 F beta / (value_bytes R) for large t. Austin et al. count a
+    bidirectional link's two directions as one bandwidth W, which doubles the bound."""
+    return 2 * ffn_hidden * bytes_per_s / (value_bytes * flops_per_s)
+
+
 # Context parallelism: each rank holds s/N of every sequence's tokens and all the weights.
 
 CP_METHODS = ("ring", "allgather", "ulysses")

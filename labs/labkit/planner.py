@@ -10,8 +10,10 @@ meshes, tp innermost, pp outermost: [pp, dp, cp, tp]):
       (the gradients of cp ranks are reduced together, as Megatron-Core and torchtitan do)
   pp  pipeline stages, 1F1B or interleaved with v chunks per rank, any m >= 1
   ep  expert parallelism, for mixture-of-experts shapes: each MoE layer's experts over ep
-      of the dp x cp ranks (ep divides dp x cp, as in Megatron-Core and torchtitan: it
-      does not multiply N); the experts' own data parallelism is dp x cp / ep
+      of the dp x cp ranks, the experts keeping tp (Megatron-Core's default expert tensor
+      parallelism; Megatron-Core carves ep x etp out of tp x cp x dp, torchtitan ep out
+      of dp_shard x cp x tp): ep divides dp x cp and does not multiply N; the experts'
+      own data parallelism is dp x cp / ep
 N = dp x cp x pp x tp.
 
 Memory (the fullest pipeline stage, memory_model's accounting): mixed-precision Adam
@@ -219,7 +221,6 @@ class Settings:
     flash_attention: bool = True
     zero: tuple = ZERO
     recompute: tuple = RECOMPUTE     # or one of them
-    cp_method: str = "ring"
 
 
 def divisors(n):
@@ -421,7 +422,7 @@ def step_time(model, layout, settings, hw):
     cp_s = 0.0
     if cp > 1:
         link = hw.nvlink if tp * cp <= node else hw.network
-        block = VALUE_BYTES * 2 * b * seq * model.kv_dim
+        block = VALUE_BYTES * 2 * b * seq * model.kv_dim / tp   # this rank's heads' K, V
         send = link[0] + block / link[1]
         block_flops = 4 * b * seq * seq * model.hidden / tp * 0.5 * 3   # fwd + bwd, causal
         per_layer = (cp - 1) * max(0.0, 2 * send - block_flops / rate) if cp > 1 else 0.0
