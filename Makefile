@@ -13,12 +13,15 @@ LAB    ?= grad_averaging
 NPROC  ?= 2
 ARGS   ?=
 PORT   ?= 8000
+# The sizing page's Pyodide release, pinned once in _config.yml
+PYODIDE_VERSION := $(shell sed -n 's/^ *sizing_pyodide_version: "\(.*\)"/\1/p' _config.yml)
+PYODIDE := $(VENV)/pyodide-$(PYODIDE_VERSION)
 # -W: warnings are errors; -n: nitpicky (every reference must resolve); --all: write every
 # page again. A chapter executes again only when its cells, or the labs, results or pinned
 # packages changed (scripts/book_cache.py empties the execution cache then).
 JB_FLAGS := --all -W -n --keep-going
 
-.PHONY: help venv book test pytest htmlcheck lab serve linkcheck notebooks clean
+.PHONY: help venv book test pytest htmlcheck lab serve linkcheck notebooks clean pyodide
 
 help:
 	@echo "make book       build the executed book into _build/html"
@@ -62,8 +65,21 @@ book: venv
 pytest: venv
 	$(BIN)/python -m pytest tests --ignore=tests/book -n 2 --dist loadfile --durations=15
 
-htmlcheck: venv
-	$(BIN)/python -m pytest tests/book
+# The built pages, and the sizing page in Chromium with a local Pyodide (npm's package at
+# the pinned release). Without npm, Chromium or chromedriver the browser test says it skipped.
+htmlcheck: venv pyodide
+	$(BIN)/python -m pytest tests/book -rs
+
+# npm's pyodide package, the files the browser needs, in $(PYODIDE) (nothing without npm)
+pyodide: $(PYODIDE)/pyodide.js
+
+$(PYODIDE)/pyodide.js: _config.yml | $(BIN)/activate
+	@if command -v npm >/dev/null; then \
+		rm -rf $(PYODIDE) $(VENV)/package && \
+		npm pack --silent pyodide@$(PYODIDE_VERSION) --pack-destination $(VENV) >/dev/null && \
+		tar xzf $(VENV)/pyodide-$(PYODIDE_VERSION).tgz -C $(VENV) && \
+		rm $(VENV)/pyodide-$(PYODIDE_VERSION).tgz && mv $(VENV)/package $(PYODIDE); \
+	else echo "npm not found: no local Pyodide, the sizing page's browser test will skip"; fi
 
 test: pytest book htmlcheck
 

@@ -40,21 +40,6 @@ import sys
 from labkit import comm_model, hardware, memory_model, planner
 from labkit.arguments import ArgumentParser, choice_list, fail, positive_int
 
-ASPECT = 128             # hidden / layers of GPT-3's models: a shape from --params alone
-HEAD_DIM = 128
-GPT_VOCAB = 51200        # GPT-2's vocabulary, padded as Megatron-LM pads it
-
-
-def shape_from_params(params, seq, vocab=GPT_VOCAB):
-    """A GPT-3-like shape of about `params` parameters: hidden = 128 x layers, heads of
-    128, hidden a multiple of 128 (Brown et al., 2020, Table 2.1 keeps hidden / layers
-    near 128 for the larger models)."""
-    hidden = max(HEAD_DIM, round((ASPECT * params / 12) ** (1 / 3) / HEAD_DIM) * HEAD_DIM)
-    layers = max(1, round((params - (2 * vocab + seq) * hidden) / (12 * hidden ** 2)))
-    return planner.Model(layers=layers, hidden=hidden, heads=hidden // HEAD_DIM, seq=seq,
-                         vocab=vocab)
-
-
 def parse_tokens(text):
     """'4M' -> 4194304 tokens (binary units, as batch sizes are quoted), '524288'."""
     try:
@@ -204,7 +189,7 @@ def model_from_args(args):
             count = memory_model.parse_count(args.params)
         except ValueError as error:
             fail(f"--params: {error}")
-        return shape_from_params(count, seq)
+        return planner.shape_from_params(count, seq)
     if len(shape) < 4:
         fail("give --model NAME, --params P, or a whole model shape: --layers --hidden "
              "--heads --vocab")

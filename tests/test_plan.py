@@ -42,7 +42,7 @@ def test_the_planner_and_the_cost_models_import_no_torch():
     """They run in a browser (Pyodide), where there is no torch."""
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import plan; "
             "from labkit import planner, comm_model, memory_model, time_model, hardware, "
-            "failure_model, arguments; "
+            "failure_model, arguments, sizing; "
             "plan.run(plan.parse_args(['--model', 'llama3-8b', '--gpus', '8'])); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
     done = subprocess.run([sys.executable, "-c", code, str(LABS)], capture_output=True,
@@ -294,7 +294,7 @@ def test_what_does_not_fit_is_left_out(capsys):
 
 def test_a_shape_from_a_parameter_count_has_about_that_many():
     for count in (1.3e9, 13e9, 70e9, 175e9):
-        model = plan.shape_from_params(count, 2048)
+        model = planner.shape_from_params(count, 2048)
         assert abs(model.params() - count) / count < 0.1, (count, model)
         assert model.hidden % model.heads == 0
 

@@ -17,5 +17,8 @@
   memory_model   memory cost: ZeRO states, parameters, activations, shard layouts
   time_model     time cost: efficiency, Amdahl, DDP buckets, step time, a layer's FLOPs
   hardware       the GPU node the book's extrapolations assume, with its sources
+  planner        the planner of five dimensions (labs/plan.py is its command line)
+  sizing         the sizing page's entry point, run in the browser with Pyodide
+  arguments      argparse types and the one-line error (torch-free, for plan.py)
   notebook       what a chapter's first cell imports: run_lab, table, glue, formats, plots
 """

@@ -616,6 +616,20 @@ def plan(model, settings, hw, cp=None, ep=None):
     return cheapest_recompute(found) if len(settings.recompute) > 1 else found
 
 
+ASPECT = 128             # hidden / layers of GPT-3's models: a shape from a parameter count
+HEAD_DIM = 128
+GPT_VOCAB = 51200        # GPT-2's vocabulary, padded as Megatron-LM pads it
+
+
+def shape_from_params(params, seq, vocab=GPT_VOCAB):
+    """A GPT-3-like Model of about `params` parameters: hidden = 128 x layers, heads of
+    128, hidden a multiple of 128 (Brown et al., 2020, Table 2.1 keeps hidden / layers
+    near 128 for the larger models)."""
+    hidden = max(HEAD_DIM, round((ASPECT * params / 12) ** (1 / 3) / HEAD_DIM) * HEAD_DIM)
+    layers = max(1, round((params - (2 * vocab + seq) * hidden) / (12 * hidden ** 2)))
+    return Model(layers=layers, hidden=hidden, heads=hidden // HEAD_DIM, seq=seq, vocab=vocab)
+
+
 def _deepseek_v3():
     c = memory_model.DEEPSEEK_V3
     attention = memory_model.mla_attention_params(

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 HTML = REPO / "_build" / "html"
 CHAPTERS = ["grad_averaging", "collectives", "memory", "scaling", "fsdp", "tensor_parallel",
             "pipeline", "context_parallel", "expert_parallel", "hybrid", "at_scale"]
-PAGES = ["intro", *CHAPTERS, "status", "bibliography"]
+PAGES = ["intro", *CHAPTERS, "sizing", "status", "bibliography"]
 
 if not (HTML / "book" / "intro.html").is_file():
     pytest.skip("the book is not built: run `make book` first (make test does)",

@@ -1,0 +1,51 @@
+"""The sizing page's Python, put into the built site: the cost models and the planner are
+copied from labs/labkit/ at build time (the site runs the very files the build checks, with
+no second copy in the repository), with a small configuration script that says where
+Pyodide comes from.
+
+_config.yml, under sphinx: config:
+  sizing_pyodide_version  the pinned Pyodide release (default below)
+  sizing_pyodide_url      where the page loads it from (default: jsDelivr's CDN, that version)
+  sizing_pyodide_dir      a local Pyodide folder (npm's `pyodide` package at that version) to
+                          copy into the site as _static/pyodide/ and load from there instead
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+PYODIDE_VERSION = "0.27.7"
+# the torch-free modules the page imports (labkit.sizing and what it imports), in order
+MODULES = ("__init__", "hardware", "comm_model", "time_model", "memory_model", "planner",
+           "sizing")
+
+
+def copy_into_site(app, exception):
+    if exception is not None or app.builder.format != "html":
+        return
+    static = Path(app.outdir) / "_static"
+    labkit = Path(app.srcdir) / "labs" / "labkit"
+    target = static / "labkit"
+    target.mkdir(parents=True, exist_ok=True)
+    for name in MODULES:
+        shutil.copyfile(labkit / f"{name}.py", target / f"{name}.py")
+    url = app.config.sizing_pyodide_url or (
+        f"https://cdn.jsdelivr.net/pyodide/v{app.config.sizing_pyodide_version}/full/")
+    if app.config.sizing_pyodide_dir:
+        local = Path(app.srcdir) / app.config.sizing_pyodide_dir
+        if not (local / "pyodide.js").is_file():
+            raise FileNotFoundError(f"sizing_pyodide_dir: no pyodide.js in {local}")
+        shutil.copytree(local, static / "pyodide", dirs_exist_ok=True)
+        url = "../_static/pyodide/"   # relative to the pages in book/
+    config = {"pyodide": url, "version": app.config.sizing_pyodide_version,
+              "modules": list(MODULES)}
+    (static / "sizing-config.js").write_text(
+        f"window.SIZING_CONFIG = {json.dumps(config)};\n")
+
+
+def setup(app):
+    app.add_config_value("sizing_pyodide_version", PYODIDE_VERSION, "html")
+    app.add_config_value("sizing_pyodide_url", "", "html")
+    app.add_config_value("sizing_pyodide_dir", "", "html")
+    app.connect("build-finished", copy_into_site)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}

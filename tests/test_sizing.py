@@ -1,0 +1,86 @@
+"""The sizing page's Python (labs/labkit/sizing.py), without a browser: the ZeRO paper's
+example, the planner's answer as labs/plan.py gives it, and bad input as one line."""
+
+import json
+
+import pytest
+
+import plan
+from labkit import planner, sizing
+
+
+def test_the_zero_papers_example():
+    """Rajbhandari et al. (2020), section 5: 7.5B parameters on 64 GPUs, Adam in mixed
+    precision: 120, 31.4, 16.6 and 1.9 GB of model states per GPU."""
+    result = sizing.run({"model": "params", "params": "7.5B", "gpus": "64"})
+    got = {stage: round(m["total"] / 1e9, 1) for stage, m in result["memory_per_gpu"].items()}
+    assert got == {"ddp": 120.0, "zero1": 31.4, "zero2": 16.6, "zero3": 1.9}
+
+
+def test_the_planner_answers_as_the_command_line_does(capsys):
+    fields = {"model": "llama3-70b", "gpus": "256", "global_batch_tokens": "4M",
+              "layout": "tp=8,pp=1,dp=32"}
+    result = sizing.run(fields)
+    plan.main(result["command"].split()[2:] + ["--json"])
+    cli = json.loads(capsys.readouterr().out)
+    keys = ("dp", "tp", "pp", "cp", "ep", "chunks", "zero", "micro_batch", "recompute")
+    assert [tuple(c[k] for k in keys) for c in result["planner"]["best"]] == \
+        [tuple(c[k] for k in keys) for c in cli["configurations"][:sizing.TOP]]
+    assert result["layout"]["rank"] == cli["layout"]["rank"]
+    assert result["planner"]["count"] == len(cli["configurations"])
+
+
+def test_a_mixture_of_experts_preset_is_planned_with_expert_parallelism():
+    result = sizing.run({"model": "deepseek-v3", "gpus": "2048", "gpu_memory_gb": "80",
+                         "global_batch_tokens": str(15360 * 4096),
+                         "layout": "tp=1,pp=16,dp=128,ep=64"})
+    assert result["model"]["active_params"] < result["model"]["params"] / 10
+    assert result["layout"]["rank"] is not None and result["layout"]["ep"] == 64
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"model": "llama3-70b", "gpus": "many"}, "gpus: 'many' is not a whole number"),
+    ({"model": "llama3-70b", "gpus": "0"}, "gpus: must be at least 1"),
+    ({"model": "llama3-70b", "gpus": "12"}, "do not fill nodes of 8"),
+    ({"model": "params", "params": "lots", "gpus": "8"}, "parameters:"),
+    ({"model": "llama3-70b", "gpus": "8", "global_batch_tokens": "1000"}, "not a whole number"),
+    ({"model": "llama3-70b", "gpus": "8", "layout": "tp=eight"}, "layout: not a layout"),
+    ({"model": "shape", "layers": "2", "hidden": "100", "heads": "3", "vocab": "10",
+      "gpus": "8"}, "hidden 100 is not divisible by heads 3"),
+    ({"model": "gpt5", "gpus": "8"}, "model: choose a preset"),
+])
+def test_bad_input_is_one_line(fields, words):
+    with pytest.raises(sizing.SizingError) as error:
+        sizing.run(fields)
+    assert words in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_layout_that_does_not_fit_says_why():
+    result = sizing.run({"model": "llama3-405b", "gpus": "8", "global_batch_tokens": "64K",
+                         "layout": "tp=8,pp=1,dp=1"})
+    assert result["layout"]["rank"] is None and "GB per GPU" in result["layout"]["reason"]
+
+
+def test_the_page_copies_every_module_it_imports():
+    """book/_ext/sizing_page.py copies these into the site: sizing's imports, all of them."""
+    import ast
+    import importlib.util
+    import sys
+    from pathlib import Path
+    ext = Path(__file__).resolve().parent.parent / "book" / "_ext" / "sizing_page.py"
+    spec = importlib.util.spec_from_file_location("sizing_page", ext)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("sizing_page", module)
+    spec.loader.exec_module(module)
+    labkit = Path(planner.__file__).parent
+    needed, todo = {"sizing"}, ["sizing"]
+    while todo:
+        tree = ast.parse((labkit / f"{todo.pop()}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                names = [node.module] if node.module else [a.name for a in node.names]
+                for name in names:
+                    if name not in needed:
+                        needed.add(name)
+                        todo.append(name)
+    assert needed | {"__init__"} == set(module.MODULES)
