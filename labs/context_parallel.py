@@ -69,14 +69,6 @@ TORCH_CP_ON_CPU = ("torch 2.13's context_parallel runs on CUDA only: on CPU, ate
                    "registered")
 
 
-def layout_positions(seq, cp, layout, device):
-    """(N, s/N): the global position of each token of each rank in `layout`."""
-    chunks = time_model.context_parallel_chunks(cp, layout)
-    c = seq // (cp * len(chunks[0]))
-    return torch.tensor([[chunk * c + i for chunk in mine for i in range(c)] for mine in chunks],
-                        device=device)
-
-
 def attention_of(name, positions, group=None):
     """attend(q, k, v) for the variant: this rank's rows of causal attention."""
     chunks = 2   # zig-zag: two chunks per rank
@@ -89,15 +81,6 @@ def attention_of(name, positions, group=None):
                                                               group, rescale=False),
         "ring_local_mask": lambda q, k, v: cpa.ring_attention(q, k, v, local, chunks, group),
     }[name]
-
-
-def block_forward(block, x, attend):
-    """The course's Block (transformer.py) with its attention replaced by attend(q, k, v)."""
-    qkv = block.qkv(block.norm1(x))
-    b, n, _ = qkv.shape
-    q, k, v = qkv.view(b, n, 3, -1, block.head_dim).permute(2, 0, 3, 1, 4)
-    x = x + block.proj(attend(q, k, v).transpose(1, 2).reshape(b, n, -1))
-    return x + block.fc2(F.gelu(block.fc1(block.norm2(x))))
 
 
 class ContextParallelModel(nn.Module):
@@ -114,7 +97,7 @@ class ContextParallelModel(nn.Module):
         (with the gradients), it is the whole sequence's mean."""
         x = self.model.embed.tokens(ids[:, self.mine]) + self.model.embed.positions(self.mine)
         for block in self.blocks:
-            x = block_forward(block, x, self.attend)
+            x = cpa.block_forward(block, x, self.attend)
         logits = self.model.head(x)
         return F.cross_entropy(logits.flatten(0, 1), targets[:, self.mine].flatten(),
                                reduction="sum") / targets.numel()
@@ -126,7 +109,7 @@ def sdpa_loss(model, ids, targets, positions, total):
     x = model.embed.tokens(ids) + model.embed.positions(positions)
     sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
     for block in model.blocks:
-        x = block_forward(block, x, sdpa)
+        x = cpa.block_forward(block, x, sdpa)
     return F.cross_entropy(model.head(x).flatten(0, 1), targets.flatten(), reduction="sum") / total
 
 
@@ -147,7 +130,7 @@ def train(name, shape, args, env):
     """(model's parameters {name: tensor}, counter of the last step, attention bytes)."""
     torch.manual_seed(args.seed)
     full = Transformer(shape).to(env.device)
-    positions = layout_positions(shape.seq, env.world_size, LAYOUT, env.device)
+    positions = cpa.layout_positions(shape.seq, env.world_size, LAYOUT, env.device)
     if name == "torch_cp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.experimental import context_parallel
@@ -216,7 +199,7 @@ def run_variant(name, shape, args, env, expected):
 def attention_flops(shape, batch, layout, env):
     """[FLOPs rank r's ring attention forward performs], counted by torch's FlopCounterMode."""
     n = env.world_size
-    positions = layout_positions(shape.seq, n, layout, env.device)
+    positions = cpa.layout_positions(shape.seq, n, layout, env.device)
     generator = distenv.generator(0, "flops", env.rank)
     q, k, v = torch.randn(3, batch, shape.heads, shape.seq // n, shape.hidden // shape.heads,
                           generator=generator).to(env.device)

@@ -1,12 +1,19 @@
-"""3-D parallelism: data x pipeline x tensor on one device mesh, checked against one process.
+"""Data x pipeline x context x tensor parallelism on one device mesh, checked against one
+process.
 
-The world's N = dp x pp x tp ranks form a mesh with tp innermost, pp next and dp outermost
-(labkit/mesh.py); rank r sits at d = r // (pp tp), p = r // tp % pp, t = r % tp. Every rank
+The world's N = dp x pp x cp x tp ranks form a mesh with tp innermost, then cp, then pp,
+and dp outermost (labkit/mesh.py); without --cp it is the 3-D mesh dp x pp x tp, and rank
+r sits at d = r // (pp tp), p = r // tp % pp, t = r % tp. Every rank
 builds the course's transformer from the same seed, splits each layer over its
 tensor-parallel group as Megatron-LM does (labkit/tensor_parallel_layers.py), keeps the
 contiguous layers of its pipeline stage (p of pp), and trains them with the 1F1B (or
 GPipe) schedule from scratch (labkit/pipeline_schedules.py) on its data-parallel share of
-each step's batch, cut into --microbatches micro-batches. Over dp (--data-parallel):
+each step's batch, cut into --microbatches micro-batches. With --cp c, each of the c ranks
+of a context-parallel group takes 1/c of every sequence's tokens (two zig-zag chunks, so
+that causal attention's work is even) and its attention passes keys and values round the
+group's ring (labkit/context_parallel_attention.py, as in the context-parallel chapter);
+the c ranks hold the same weights, and average their gradients over cp as over dp. Over dp
+(--data-parallel):
 
   ddp   every rank keeps its stage's slices whole; after the last micro-batch the gradients
         are averaged over the data-parallel group in one all-reduce, as Megatron-LM's DDP
@@ -23,7 +30,8 @@ the whole model on the whole batch. Every collective of the first step is counte
 process group it runs on, so the bytes of each dimension are measured apart and set
 beside the cost models: tensor parallelism's all-reduces (comm_model.
 tensor_parallel_collectives, for the layers, embedding and head a stage holds), the
-pipeline's sends (pipeline_p2p_bytes_per_rank) and the data-parallel collectives
+pipeline's sends (pipeline_p2p_bytes_per_rank), the ring's sends and the gradients'
+all-reduce over cp (context_parallel_collectives) and the data-parallel collectives
 (data_parallel_step_collectives, with FSDP2's padding, memory_model.fsdp2_gathered_numel).
 The parameters, gradients and momentum each rank holds are counted beside
 memory_model.stage_params_per_rank (and, sharded, fsdp2_shard_numel).
@@ -35,18 +43,20 @@ Launch lines (from the repository root):
                                    --dp 1 --pp 1 --tp 3
   2-D, FSDP2 x TP:               torchrun --standalone --nproc_per_node=4 labs/hybrid.py \\
                                    --dp 2 --tp 2 --data-parallel fsdp
+  with context parallelism:      torchrun --standalone --nproc_per_node=8 labs/hybrid.py \\
+                                   --pp 2 --cp 2 --tp 2
   GPU box, NCCL (tp inside the node):  torchrun --standalone --nproc_per_node=8 \\
                                    labs/hybrid.py --dp 2 --pp 2 --tp 2 --out hybrid.json
   two nodes (run on each, HOST = node 0's address; dp spans the nodes):
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
              --rdzv-id=hybrid labs/hybrid.py --dp 4 --pp 2 --tp 2 --out hybrid.json
 
-JSON: `dp`, `pp`, `tp`, `data_parallel`, `shape`, `batch`, `microbatches`, `schedule`; `mesh` [{rank, dp,
-pp, tp}]; `groups` {dp, pp, tp: [[ranks]]}, checked against init_device_mesh's own groups
-(`groups_match_init_device_mesh`); `max_param_diff`; `state_bytes_per_rank` and
-`predicted_state_bytes_per_rank` [{params, grads, optimizer, total}, one per rank];
-`comm_bytes_per_rank` and `predicted_comm_bytes_per_rank` {dp, pp, tp: [bytes each rank
-sends in one step, one per rank]}.
+JSON: `dp`, `pp`, `cp`, `tp`, `data_parallel`, `shape`, `batch`, `microbatches`, `schedule`;
+`mesh` [{rank, dp, pp, cp, tp}]; `groups` {dp, pp, cp, tp: [[ranks]]}, checked against
+init_device_mesh's own groups (`groups_match_init_device_mesh`); `max_param_diff`;
+`state_bytes_per_rank` and `predicted_state_bytes_per_rank` [{params, grads, optimizer,
+total}, one per rank]; `comm_bytes_per_rank` and `predicted_comm_bytes_per_rank` {dp, pp,
+cp, tp: [bytes each rank sends in one step, one per rank]}.
 """
 
 import contextlib
@@ -56,6 +66,7 @@ import torch
 import torch.distributed as dist
 
 from labkit import comm_model, distenv, memory_model, mesh
+from labkit import context_parallel_attention as cpa
 from labkit.collectives import CountCollectives
 from labkit.pipeline_schedules import OpClock, run_schedule, schedule_order, split_pieces
 from labkit.strategies import allreduce_gradients, apply_fsdp_unit, rank_batch
@@ -97,17 +108,17 @@ def own_names(name, stage, stages, layers):
 
 
 def device_mesh(args, env):
-    """torch's DeviceMesh of (dp, pp, tp) and its groups; fails if they are not the ones
-    labkit.mesh lays out."""
+    """torch's DeviceMesh of (dp, pp, cp, tp) and its groups; fails if they are not the
+    ones labkit.mesh lays out."""
     from torch.distributed.device_mesh import init_device_mesh
-    device_mesh = init_device_mesh(env.device.type, (args.dp, args.pp, args.tp),
+    device_mesh = init_device_mesh(env.device.type, (args.dp, args.pp, args.cp, args.tp),
                                    mesh_dim_names=mesh.DIMENSIONS)
     process_groups = {dim: device_mesh.get_group(dim) for dim in mesh.DIMENSIONS}
     mine = {dim: dist.get_process_group_ranks(group) for dim, group in process_groups.items()}
     everyone = [None] * env.world_size
     dist.all_gather_object(everyone, mine)
     theirs = {dim: sorted({tuple(ranks[dim]) for ranks in everyone}) for dim in mesh.DIMENSIONS}
-    expected = mesh.groups(args.dp, args.pp, args.tp)
+    expected = mesh.groups(args.dp, args.pp, args.tp, args.cp)
     if any([list(g) for g in theirs[dim]] != expected[dim] for dim in mesh.DIMENSIONS):
         raise RuntimeError(f"init_device_mesh made groups {theirs}, labkit.mesh expects {expected}")
     return {**process_groups, "dp_mesh": device_mesh["dp"]}   # the 1-D mesh FSDP2 shards over
@@ -126,11 +137,11 @@ def measured_state(piece, optimizer):
 
 
 def predictions(shape, args, stage, local_shapes=None, dp_rank=0):
-    """(state {params, grads, optimizer, total}, comm {dp, pp, tp}) bytes for a rank of
-    pipeline stage `stage`, from the cost models. Under FSDP2 the exact shards depend on
+    """(state {params, grads, optimizer, total}, comm {dp, pp, cp, tp}) bytes for a rank
+    of pipeline stage `stage`, from the cost models. Under FSDP2 the exact shards depend on
     the shapes of the rank's tensor-parallel slices (`local_shapes`) and its dp rank."""
-    dp, pp, tp, m = args.dp, args.pp, args.tp, args.microbatches
-    micro = args.batch // (dp * m)
+    dp, pp, cp, tp, m = args.dp, args.pp, args.cp, args.tp, args.microbatches
+    micro, seq = args.batch // (dp * m), shape.seq // cp   # a rank's tokens: s / cp each
     params = memory_model.stage_params_per_rank(shape.layers, shape.hidden, shape.vocab,
                                                 shape.seq, pp, tp, stage)
     if args.data_parallel == "ddp":
@@ -142,33 +153,82 @@ def predictions(shape, args, stage, local_shapes=None, dp_rank=0):
         state["total"] = sum(state.values())
         dp_plan = comm_model.data_parallel_step_collectives(
             "zero3", memory_model.fsdp2_gathered_numel(local_shapes, dp), m)
+    layers = memory_model.stage_layers(shape.layers, pp)[stage]
     tp_plan = comm_model.tensor_parallel_collectives(
-        memory_model.stage_layers(shape.layers, pp)[stage], shape.seq, micro, shape.hidden, tp,
-        embedding=stage == 0, head=stage == pp - 1)
+        layers, seq, micro, shape.hidden, tp, embedding=stage == 0, head=stage == pp - 1)
+    # the ring passes this rank's heads' K and V (h / tp wide) in every micro-batch; the
+    # gradients of the weights all cp ranks hold are averaged over cp once per step
+    *ring, gradients = comm_model.context_parallel_collectives(
+        "ring", layers, shape.seq, micro, shape.hidden // tp, cp, params)
     comm = {"dp": comm_model.collectives_summary(dp_plan, dp, VALUE_BYTES)[0],
-            "pp": comm_model.pipeline_p2p_bytes_per_rank(pp, m, micro * shape.seq * shape.hidden,
+            "pp": comm_model.pipeline_p2p_bytes_per_rank(pp, m, micro * seq * shape.hidden,
                                                          value_bytes=VALUE_BYTES)[stage],
+            "cp": (m * comm_model.collectives_summary(ring, cp, VALUE_BYTES)[0]
+                   + comm_model.collectives_summary([gradients], cp, VALUE_BYTES)[0]),
             "tp": m * comm_model.collectives_summary(tp_plan, tp, VALUE_BYTES)[0]}
     return state, comm
+
+
+class ContextParallelEmbedding(torch.nn.Module):
+    """The embedding of this rank's tokens of each sequence, at their own positions."""
+
+    def __init__(self, embed, mine):
+        super().__init__()
+        self.embed, self.mine = embed, mine
+
+    def forward(self, ids):
+        return self.embed(ids[:, self.mine], positions=self.mine)
+
+
+class ContextParallelBlock(torch.nn.Module):
+    """A block whose attention is the ring's over the context-parallel group."""
+
+    def __init__(self, block, attend):
+        super().__init__()
+        self.block, self.attend = block, attend
+
+    def forward(self, x):
+        return cpa.block_forward(self.block, x, self.attend)
+
+
+class ContextParallelPieces(torch.nn.Module):
+    """The tensor-parallel model as pieces of a pipeline (embed, blocks, head) that run on
+    this rank's tokens: what split_pieces cuts."""
+
+    def __init__(self, model, positions, group, rank):
+        super().__init__()
+        mine = positions[rank]
+        attend = lambda q, k, v: cpa.ring_attention(q, k, v, positions, 2, group)  # noqa: E731
+        self.embed = ContextParallelEmbedding(model.embed, mine)
+        self.blocks = torch.nn.ModuleList(ContextParallelBlock(b, attend) for b in model.blocks)
+        self.head = model.head
 
 
 def run(args, env):
     shape = shape_from_args(args)
     groups = device_mesh(args, env)
-    here = mesh.coordinates(env.rank, args.dp, args.pp, args.tp)
+    here = mesh.coordinates(env.rank, args.dp, args.pp, args.tp, args.cp)
     stage, m = here["pp"], args.microbatches
     first, last = stage == 0, stage == args.pp - 1
 
     torch.manual_seed(args.seed)   # the reference's initial weights, on every rank
     model = TensorParallelTransformer(Transformer(shape).to(env.device), groups["tp"])
-    piece = split_pieces(model, args.pp)[stage]
+    mine = slice(None)                       # the tokens of each sequence this rank keeps
+    pieces = model
+    if args.cp > 1:
+        positions = cpa.layout_positions(shape.seq, args.cp, "zigzag", env.device)
+        mine = positions[here["cp"]]
+        pieces = ContextParallelPieces(model, positions, groups["cp"], here["cp"])
+    piece = split_pieces(pieces, args.pp)[stage]
     local_shapes = [tuple(p.shape) for p in piece.parameters()]
     if args.data_parallel == "fsdp":
         apply_fsdp_unit(piece, groups["dp_mesh"])
     optimizer = torch.optim.SGD(piece.parameters(), lr=LEARNING_RATE, momentum=MOMENTUM)
+    # each rank's mean over its tokens: averaged over cp with the gradients, the mean over all
     loss_fn = lambda logits, targets: VocabParallelCrossEntropy.apply(  # noqa: E731
-        logits, targets, model.out.rows[0], groups["tp"])
+        logits, targets[:, mine], model.out.rows[0], groups["tp"])
     micro = args.batch // (args.dp * m)
+    stride = args.cp * args.tp   # ranks between neighbouring pipeline stages
     order = schedule_order(args.schedule, args.pp, stage, m)
     counters = {dim: comm_model.CollectiveCounter(dist.get_world_size(groups[dim]))
                 for dim in mesh.DIMENSIONS}
@@ -182,11 +242,13 @@ def run(args, env):
         with counting if step == 0 else contextlib.nullcontext():
             run_schedule(piece, order, stage, args.pp, ids.chunk(m), targets.chunk(m), loss_fn,
                          clock=OpClock(hide_modes=False, device=env.device),
-                         prev_rank=env.rank - args.tp, next_rank=env.rank + args.tp,
-                         activation_shape=(micro, shape.seq, shape.hidden),
+                         prev_rank=env.rank - stride, next_rank=env.rank + stride,
+                         activation_shape=(micro, shape.seq // args.cp, shape.hidden),
                          device=env.device, timeout_s=args.timeout, group=groups["pp"])
             if args.data_parallel == "ddp":
                 allreduce_gradients(piece.parameters(), groups["dp"], average=True)
+            if args.cp > 1:
+                allreduce_gradients(piece.parameters(), groups["cp"], average=True)
         optimizer.step()
         if step == 0:
             state = measured_state(piece, optimizer)
@@ -212,11 +274,12 @@ def run(args, env):
     exact = lambda value: int(value) if value == int(value) else float(value)  # noqa: E731
     per_dim = lambda key: {dim: [exact(r[key][dim]) for r in ranks]  # noqa: E731
                            for dim in mesh.DIMENSIONS}
-    return {"dp": args.dp, "pp": args.pp, "tp": args.tp, "data_parallel": args.data_parallel,
+    return {"dp": args.dp, "pp": args.pp, "cp": args.cp, "tp": args.tp,
+            "data_parallel": args.data_parallel,
             "shape": dataclasses.asdict(shape),
             "batch": args.batch, "microbatches": m, "schedule": args.schedule,
             "mesh": [{"rank": rank, **r["coords"]} for rank, r in enumerate(ranks)],
-            "groups": mesh.groups(args.dp, args.pp, args.tp),
+            "groups": mesh.groups(args.dp, args.pp, args.tp, args.cp),
             "groups_match_init_device_mesh": True,
             "max_param_diff": worst.item(),
             "state_bytes_per_rank": [r["state"] for r in ranks],
@@ -227,13 +290,13 @@ def run(args, env):
 
 
 def report(env, result):
-    env.print0(f"{'rank':>4} {'dp':>3} {'pp':>3} {'tp':>3} {'state B':>8} "
-               f"{'dp sent':>8} {'pp sent':>8} {'tp sent':>8}")
+    env.print0(f"{'rank':>4} {'dp':>3} {'pp':>3} {'cp':>3} {'tp':>3} {'state B':>8} "
+               f"{'dp sent':>8} {'pp sent':>8} {'cp sent':>8} {'tp sent':>8}")
     for entry, state in zip(result["mesh"], result["state_bytes_per_rank"]):
         rank, sent = entry["rank"], result["comm_bytes_per_rank"]
-        env.print0(f"{rank:>4} {entry['dp']:>3} {entry['pp']:>3} {entry['tp']:>3} "
-                   f"{state['total']:>8,} {sent['dp'][rank]:>8,} {sent['pp'][rank]:>8,} "
-                   f"{sent['tp'][rank]:>8,}")
+        env.print0(f"{rank:>4} {entry['dp']:>3} {entry['pp']:>3} {entry['cp']:>3} "
+                   f"{entry['tp']:>3} {state['total']:>8,} {sent['dp'][rank]:>8,} "
+                   f"{sent['pp'][rank]:>8,} {sent['cp'][rank]:>8,} {sent['tp'][rank]:>8,}")
     exact = (result["comm_bytes_per_rank"] == result["predicted_comm_bytes_per_rank"]
              and result["state_bytes_per_rank"] == result["predicted_state_bytes_per_rank"])
     env.print0("every state and byte count " + ("equals its prediction" if exact else
@@ -249,14 +312,20 @@ def ranks(count):
 
 def check(args, world_size):
     """Degrees that the world and the model can be split by, or one line saying why not."""
+    model_ranks = args.pp * args.cp * args.tp
     if args.dp is None:
-        if world_size % (args.pp * args.tp):
+        if world_size % model_ranks:
             distenv.fail(f"a world of {ranks(world_size)} is not a multiple of --pp {args.pp} "
-                         f"x --tp {args.tp}")
-        args.dp = world_size // (args.pp * args.tp)
-    if args.dp * args.pp * args.tp != world_size:
-        distenv.fail(f"--dp {args.dp} x --pp {args.pp} x --tp {args.tp} = "
-                     f"{args.dp * args.pp * args.tp}, but the world has {ranks(world_size)}")
+                         f"x --cp {args.cp} x --tp {args.tp}")
+        args.dp = world_size // model_ranks
+    if args.dp * model_ranks != world_size:
+        distenv.fail(f"--dp {args.dp} x --pp {args.pp} x --cp {args.cp} x --tp {args.tp} = "
+                     f"{args.dp * model_ranks}, but the world has {ranks(world_size)}")
+    if args.cp > 1 and args.seq % (2 * args.cp):
+        distenv.fail(f"--seq {args.seq} does not cut into 2 x --cp {args.cp} equal chunks")
+    if args.cp > 1 and args.data_parallel == "fsdp":
+        distenv.fail("--cp with --data-parallel fsdp is not built here: FSDP2 would shard "
+                     "over dp x cp; use ddp")
     for what, value in (("--heads", args.heads), ("--vocab", args.vocab)):
         if value % args.tp:
             distenv.fail(f"{what} {value} does not split over --tp {args.tp}")
@@ -274,6 +343,8 @@ def parse_args(argv=None):
     parser.add_argument("--pp", type=distenv.positive_int, default=1, help="pipeline stages")
     parser.add_argument("--tp", type=distenv.positive_int, default=1,
                         help="tensor-parallel degree")
+    parser.add_argument("--cp", type=distenv.positive_int, default=1,
+                        help="context-parallel degree (zig-zag ring attention)")
     parser.add_argument("--microbatches", type=distenv.positive_int, default=MICROBATCHES,
                         help="micro-batches per step on each data-parallel rank")
     parser.add_argument("--data-parallel", choices=("ddp", "fsdp"), default="ddp",
@@ -293,7 +364,8 @@ def main():
     args = parse_args()
     with distenv.initialize(args) as env:
         check(args, env.world_size)
-        env.print0(f"mesh dp {args.dp} x pp {args.pp} x tp {args.tp} ({env.backend}), "
+        env.print0(f"mesh dp {args.dp} x pp {args.pp} x cp {args.cp} x tp {args.tp} "
+                   f"({env.backend}), "
                    f"{args.microbatches} micro-batches of {args.batch // (args.dp * args.microbatches)}"
                    f" sequences, {args.schedule}")
         try:

@@ -1,7 +1,8 @@
-"""The 3-D lab: data x pipeline x tensor parallelism on one device mesh, against one process
-trained on the whole batch, with each dimension's bytes counted against the cost models.
-The chapter runs (2, 2, 2) on 8 ranks with DDP and (2, 1, 2) with FSDP2 and asserts the
-same (hybrid.md, hidden cells); here the other layouts and odd degrees."""
+"""The mesh lab: data x pipeline x context x tensor parallelism on one device mesh, against
+one process trained on the whole batch, with each dimension's bytes counted against the
+cost models. The chapter runs dp 2 x pp 2 x tp 2 on 8 ranks with DDP, dp 2 x tp 2 with
+FSDP2 and cp 2 x tp 2, and asserts the same (hybrid.md, hidden cells); here the other
+layouts and odd degrees."""
 
 import pytest
 
@@ -10,18 +11,20 @@ from conftest import assert_fails_with_one_line, assert_refused
 from labkit import mesh
 from labkit.launch import run_lab
 
-# (dp, pp, tp, data parallelism): the layouts the chapter does not run (it runs (2, 2, 2)
-# with DDP and (2, 1, 2) with FSDP2 and asserts the same, exactly): each pair of axes
-# without the third, and an odd degree: FSDP2 over three data-parallel ranks (its padding
-# makes their shards unequal)
-RUNS = [(2, 2, 1, "ddp"), (1, 2, 2, "ddp"), (3, 1, 1, "fsdp")]
+# (dp, pp, cp, tp, data parallelism): the layouts the chapter does not run (it asserts
+# its three, exactly): pairs of axes without the others, an odd degree of FSDP2 over three
+# data-parallel ranks (its padding makes their shards unequal), and context parallelism
+# over three ranks beside data parallelism (a sequence of 12 tokens, 6 zig-zag chunks)
+RUNS = [(2, 2, 1, 1, "ddp"), (1, 2, 1, 2, "ddp"), (3, 1, 1, 1, "fsdp"), (2, 1, 3, 1, "ddp")]
 
 
-@pytest.fixture(scope="module", params=RUNS, ids=lambda r: "dp%d-pp%d-tp%d-%s" % r)
+@pytest.fixture(scope="module", params=RUNS, ids=lambda r: "dp%d-pp%d-cp%d-tp%d-%s" % r)
 def result(request):
-    dp, pp, tp, data_parallel = request.param
-    return run_lab("hybrid", dp * pp * tp, ["--dp", dp, "--pp", pp, "--tp", tp,
-                                            "--data-parallel", data_parallel], echo=False)
+    dp, pp, cp, tp, data_parallel = request.param
+    seq = ["--seq", 12] if cp == 3 else []
+    return run_lab("hybrid", dp * pp * cp * tp, ["--dp", dp, "--pp", pp, "--cp", cp, "--tp", tp,
+                                                 "--data-parallel", data_parallel, *seq],
+                   echo=False)
 
 
 def test_the_trained_model_is_the_single_process_one(result):
@@ -29,16 +32,17 @@ def test_the_trained_model_is_the_single_process_one(result):
 
 
 def test_the_mesh_puts_tp_innermost_and_matches_init_device_mesh(result):
-    dp, pp, tp = result["dp"], result["pp"], result["tp"]
-    assert result["world_size"] == dp * pp * tp
+    dp, pp, cp, tp = result["dp"], result["pp"], result["cp"], result["tp"]
+    world = dp * pp * cp * tp
+    assert result["world_size"] == world
     assert result["groups_match_init_device_mesh"] is True
-    assert [(e["dp"], e["pp"], e["tp"]) for e in result["mesh"]] == [
-        (d, p, t) for d in range(dp) for p in range(pp) for t in range(tp)]
-    assert result["groups"] == mesh.groups(dp, pp, tp)
-    for dim, size in (("dp", dp), ("pp", pp), ("tp", tp)):
+    assert [(e["dp"], e["pp"], e["cp"], e["tp"]) for e in result["mesh"]] == [
+        (d, p, c, t) for d in range(dp) for p in range(pp) for c in range(cp) for t in range(tp)]
+    assert result["groups"] == mesh.groups(dp, pp, tp, cp)
+    for dim, size in (("dp", dp), ("pp", pp), ("cp", cp), ("tp", tp)):
         groups = result["groups"][dim]
-        assert len(groups) == dp * pp * tp // size and all(len(g) == size for g in groups)
-        assert sorted(r for g in groups for r in g) == list(range(dp * pp * tp))
+        assert len(groups) == world // size and all(len(g) == size for g in groups)
+        assert sorted(r for g in groups for r in g) == list(range(world))
 
 
 def test_counted_bytes_and_state_equal_the_cost_models_exactly(result):
@@ -50,7 +54,7 @@ def test_counted_bytes_and_state_equal_the_cost_models_exactly(result):
         assert result["comm_bytes_per_rank"]["dp"][0] > 2 * result["state_bytes_per_rank"][0][
             "params"] * (dp - 1) * result["microbatches"]
     # a dimension of one sends nothing, and every dimension of more than one sends something
-    for dim, size in (("dp", dp), ("pp", pp), ("tp", tp)):
+    for dim, size in (("dp", dp), ("pp", pp), ("cp", result["cp"]), ("tp", tp)):
         sent = result["comm_bytes_per_rank"][dim]
         assert all(b == 0 for b in sent) if size == 1 else all(b > 0 for b in sent), dim
 
@@ -62,10 +66,11 @@ def test_tp_and_fsdp_divide_the_state_and_ddp_does_not(result):
     replicated LayerNorms and biases."""
     per_rank = [s["total"] for s in result["state_bytes_per_rank"]]
     dp, pp, tp = result["dp"], result["pp"], result["tp"]
-    replica = hybrid.parse_args(["--dp", dp, "--pp", pp, "--tp", tp])   # whole replicas
+    replica = hybrid.parse_args(["--dp", dp, "--pp", pp, "--tp", tp, "--cp", result["cp"],
+                                 "--seq", result["shape"]["seq"]])   # whole replicas
     for group in result["groups"]["dp"]:
         stage = result["mesh"][group[0]]["pp"]
-        whole = hybrid.predictions(hybrid.SHAPE, replica, stage)[0]["total"]
+        whole = hybrid.predictions(hybrid.shape_from_args(replica), replica, stage)[0]["total"]
         if result["data_parallel"] == "ddp":
             assert all(per_rank[r] == whole for r in group)
         else:
@@ -82,7 +87,7 @@ def test_bad_input_is_refused_in_one_line(script):
     assert_refused(hybrid.parse_args, ["--tp", "0"], "--tp must be at least 1")
     assert_refused(hybrid.parse_args, ["--schedule", "interleaved"], "invalid choice")
     assert_fails_with_one_line(script("hybrid", "--dp", "2"),
-                               "--dp 2 x --pp 1 x --tp 1 = 2, but the world has 1 rank")
+                               "--dp 2 x --pp 1 x --cp 1 x --tp 1 = 2, but the world has 1 rank")
     assert_fails_with_one_line(script("hybrid", "--pp", "5"),
                                "a world of 1 rank is not a multiple of --pp 5")
 
@@ -90,8 +95,10 @@ def test_bad_input_is_refused_in_one_line(script):
 def test_degrees_the_model_cannot_take_are_refused():
     for argv, words in ((["--tp", "4", "--heads", "6"], "--heads 6 does not split over --tp 4"),
                         (["--pp", "3", "--layers", "2"], "--layers 2 cannot give each of --pp 3"),
-                        (["--dp", "5"], "--batch 24 does not divide into --dp 5")):
+                        (["--dp", "5"], "--batch 24 does not divide into --dp 5"),
+                        (["--cp", "3"], "--seq 8 does not cut into 2 x --cp 3 equal chunks"),
+                        (["--cp", "2", "--data-parallel", "fsdp"], "--cp with --data-parallel fsdp")):
         args = hybrid.parse_args(argv)
         with pytest.raises(SystemExit) as error:
-            hybrid.check(args, (args.dp or 1) * args.pp * args.tp)
+            hybrid.check(args, (args.dp or 1) * args.pp * args.cp * args.tp)
         assert words in str(error.value)

@@ -21,8 +21,10 @@ import math
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 
 from . import distenv
+from .time_model import context_parallel_chunks
 
 _noted = None   # while counting: {storage pointer: tensor} of attention probabilities made
 
@@ -227,3 +229,20 @@ def ulysses_attention(q, k, v, positions, group=None):
     out = out.view(b, heads // size, size, n, d).movedim(2, 0)   # (N, b, a/N, n, d)
     out = AllToAll.apply(out, group)   # rank j's heads, my tokens
     return out.movedim(0, 1).reshape(b, heads, n, d)
+
+
+def layout_positions(seq, cp, layout, device):
+    """(N, s/N): the global position of each token of each rank in `layout`."""
+    chunks = context_parallel_chunks(cp, layout)
+    c = seq // (cp * len(chunks[0]))
+    return torch.tensor([[chunk * c + i for chunk in mine for i in range(c)] for mine in chunks],
+                        device=device)
+
+
+def block_forward(block, x, attend):
+    """The course's Block (transformer.py) with its attention replaced by attend(q, k, v)."""
+    qkv = block.qkv(block.norm1(x))
+    b, n, _ = qkv.shape
+    q, k, v = qkv.view(b, n, 3, -1, block.head_dim).permute(2, 0, 3, 1, 4)
+    x = x + block.proj(attend(q, k, v).transpose(1, 2).reshape(b, n, -1))
+    return x + block.fc2(F.gelu(block.fc1(block.norm2(x))))

@@ -1,40 +1,42 @@
-"""The 3-D device mesh, data x pipeline x tensor: which coordinates each rank has and which
-ranks share a process group along each dimension.
+"""The device mesh, data x pipeline x context x tensor: which coordinates each rank has
+and which ranks share a process group along each dimension.
 
-Ranks are laid out with tp innermost, then pp, then dp outermost (the order of
-init_device_mesh((dp, pp, tp)), and of Llama 3's training; Megatron-LM's default and
+Ranks are laid out with tp innermost, then cp, then pp, then dp outermost (the order of
+init_device_mesh((dp, pp, cp, tp)), and of Llama 3's training; Megatron-LM's default and
 torchtitan put pp outermost and dp inside it): the t ranks of a tensor-parallel group are
 consecutive, so on nodes of G GPUs with t dividing G they share a node and its NVLink,
-the dimension that communicates most. The data-parallel groups, which communicate least
-often, span the nodes.
+the dimension that communicates most; context parallelism, which passes keys and values
+inside every layer, comes next. The data-parallel groups, which communicate least often,
+span the nodes. Without context parallelism (cp = 1) this is the 3-D mesh dp x pp x tp.
 
-    rank = (d * pp + p) * tp + t
+    rank = ((d * pp + p) * cp + c) * tp + t
 """
 
-DIMENSIONS = ("dp", "pp", "tp")
+DIMENSIONS = ("dp", "pp", "cp", "tp")
 
 
-def coordinates(rank, dp, pp, tp):
-    """{dp, pp, tp}: the rank's position along each dimension."""
-    if not 0 <= rank < dp * pp * tp:
-        raise ValueError(f"rank {rank} is outside a mesh of {dp} x {pp} x {tp}")
-    return {"dp": rank // (pp * tp), "pp": rank // tp % pp, "tp": rank % tp}
+def coordinates(rank, dp, pp, tp, cp=1):
+    """{dp, pp, cp, tp}: the rank's position along each dimension."""
+    if not 0 <= rank < dp * pp * cp * tp:
+        raise ValueError(f"rank {rank} is outside a mesh of {dp} x {pp} x {cp} x {tp}")
+    return {"dp": rank // (pp * cp * tp), "pp": rank // (cp * tp) % pp,
+            "cp": rank // tp % cp, "tp": rank % tp}
 
 
-def rank_at(d, p, t, pp, tp):
-    """The global rank at coordinates (d, p, t)."""
-    return (d * pp + p) * tp + t
+def rank_at(d, p, t, pp, tp, c=0, cp=1):
+    """The global rank at coordinates (d, p, c, t)."""
+    return ((d * pp + p) * cp + c) * tp + t
 
 
-def groups(dp, pp, tp):
-    """{dimension: [[ranks]]}: the ranks that vary along one dimension while the other two
+def groups(dp, pp, tp, cp=1):
+    """{dimension: [[ranks]]}: the ranks that vary along one dimension while the others
     stay fixed, each group once, in rank order."""
-    sizes = {"dp": dp, "pp": pp, "tp": tp}
+    sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
     result = {}
     for dim in DIMENSIONS:
         seen = {}
-        for rank in range(dp * pp * tp):
-            here = coordinates(rank, dp, pp, tp)
+        for rank in range(dp * pp * cp * tp):
+            here = coordinates(rank, dp, pp, tp, cp)
             key = tuple(here[other] for other in DIMENSIONS if other != dim)
             seen.setdefault(key, []).append(rank)
         result[dim] = sorted(seen.values())

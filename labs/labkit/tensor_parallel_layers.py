@@ -178,15 +178,19 @@ class VocabParallelEmbedding(nn.Module):
         self.positions = copy.deepcopy(full.positions)
         self.group, self.sequence_parallel, self.rank = group, sequence_parallel, rank
 
-    def forward(self, ids):
+    def forward(self, ids, positions=None):
+        """`positions`: the tokens' places in their sequences, when they are not 0, 1, ...
+        (a context-parallel rank's share of them)."""
         local = ids - self.rows[0]
         outside = (local < 0) | (local >= len(self.rows))
         x = F.embedding(local.masked_fill(outside, 0), self.tokens)
         x = x.masked_fill(outside[..., None], 0)
         reduce = ReduceScatter if self.sequence_parallel else Reduce
         x = reduce.apply(x, self.group)
-        start = self.rank * x.shape[1] if self.sequence_parallel else 0
-        return x + self.positions(torch.arange(start, start + x.shape[1], device=x.device))
+        if positions is None:
+            start = self.rank * x.shape[1] if self.sequence_parallel else 0
+            positions = torch.arange(start, start + x.shape[1], device=x.device)
+        return x + self.positions(positions)
 
     def full(self, name):
         return {f"{name}.tokens.weight": unsplit(self.tokens, self.rows, 0, self.group),
