@@ -47,6 +47,18 @@ def run_script(lab, *args, env_extra=None, timeout=120):
                           capture_output=True, text=True, env=env, timeout=timeout)
 
 
+# what every lab's JSON carries (the lab contract, distenv.DistEnv.metadata)
+LAB_METADATA = ("lab", "world_size", "backend", "device", "hardware", "torch_version",
+                "created", "args")
+
+
+def assert_lab_metadata(result, lab):
+    """The result says where it came from: the lab contract's fields, and this lab."""
+    for key in LAB_METADATA:
+        assert key in result, key
+    assert result["lab"] == lab
+
+
 def assert_fails_with_one_line(done, words):
     """The lab exited non-zero and said why in exactly one line on stderr."""
     assert done.returncode != 0

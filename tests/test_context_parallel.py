@@ -9,7 +9,7 @@ from fractions import Fraction
 import pytest
 
 import context_parallel
-from conftest import assert_fails_with_one_line, assert_refused
+from conftest import assert_fails_with_one_line, assert_lab_metadata, assert_refused
 from labkit import comm_model, memory_model, time_model
 from labkit.launch import run_lab
 from labkit.transformer import Shape
@@ -26,9 +26,7 @@ def result(request):
 
 
 def test_the_result_says_where_it_came_from(result):
-    for key in ("lab", "world_size", "backend", "device", "hardware", "torch_version",
-                "created", "args"):
-        assert key in result, key
+    assert_lab_metadata(result, "context_parallel")
     assert result["cp"] == result["world_size"] and result["layout"] == "zigzag"
     assert result["args"]["steps"] == context_parallel.STEPS
     ran = set(result["variants"]) | set(result["skipped"])

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import grad_averaging
-from conftest import assert_fails_with_one_line, assert_refused
+from conftest import assert_fails_with_one_line, assert_lab_metadata, assert_refused
 from labkit.launch import run_lab
 
 CORRECT = ["ddp", "manual_allreduce", "grad_accumulation"]
@@ -22,10 +22,7 @@ def result(request):
 
 
 def test_the_result_carries_the_lab_contracts_metadata(result):
-    for field in ("lab", "world_size", "backend", "device", "hardware", "torch_version",
-                  "created", "args"):
-        assert field in result, field
-    assert result["lab"] == "grad_averaging"
+    assert_lab_metadata(result, "grad_averaging")
     assert result["backend"] == "gloo" and result["device"] == "cpu"
     assert result["args"]["steps"] == result["microbatches_per_epoch"] + 2
 

@@ -9,7 +9,7 @@ and 3, the loss-scale pitfall and bad input."""
 import pytest
 
 import pipeline
-from conftest import assert_fails_with_one_line, assert_refused
+from conftest import assert_fails_with_one_line, assert_lab_metadata, assert_refused
 from labkit.launch import run_lab
 from labkit.pipeline_schedules import schedule_order
 
@@ -38,9 +38,8 @@ def result(request):
 
 @ALONE
 def test_the_result_says_where_it_came_from(result):
-    for key in ("lab", "world_size", "backend", "hardware", "torch_version", "created", "args"):
-        assert key in result, key
-    assert result["lab"] == "pipeline" and result["pp"] == result["world_size"]
+    assert_lab_metadata(result, "pipeline")
+    assert result["pp"] == result["world_size"]
     assert result["compute_ms"] == (None if result["pp"] == 1 else COMPUTE_MS)
     assert [s["microbatches"] for s in result["sweep"]] == [
         int(m) for m in RUNS[result["pp"]][0].split(",")]

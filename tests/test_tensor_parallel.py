@@ -6,7 +6,7 @@ by hand. The chapter runs t = 2 and 4 and asserts the same against the cost mode
 import pytest
 
 import tensor_parallel
-from conftest import assert_fails_with_one_line, assert_refused
+from conftest import assert_fails_with_one_line, assert_lab_metadata, assert_refused
 from labkit import memory_model
 from labkit.launch import run_lab
 from labkit.transformer import Shape
@@ -31,10 +31,8 @@ def result(request):
 
 
 def test_the_result_says_where_it_came_from(result):
-    for key in ("lab", "world_size", "backend", "device", "hardware", "torch_version",
-                "created", "args"):
-        assert key in result, key
-    assert result["lab"] == "tensor_parallel" and result["tp"] == result["world_size"]
+    assert_lab_metadata(result, "tensor_parallel")
+    assert result["tp"] == result["world_size"]
     assert result["shape"] == {"layers": L, "hidden": H, "heads": SHAPE.heads, "seq": S,
                                "vocab": V}
     assert result["batch"] == BATCH and result["args"]["steps"] == tensor_parallel.STEPS
