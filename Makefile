@@ -13,6 +13,11 @@ LAB    ?= grad_averaging
 NPROC  ?= 2
 ARGS   ?=
 PORT   ?= 8000
+# Python writes each module's bytecode the first time a process imports it, even where the
+# environment says not to: every lab starts torch in each of its ranks, and compiling torch
+# again in every process would double its start. pip installs without compiling (--no-compile):
+# compiling all 1.4 GB of packages costs more than the few modules the labs and book import.
+export PYTHONDONTWRITEBYTECODE :=
 # The sizing page's Pyodide release, pinned once in _config.yml
 PYODIDE_VERSION := $(shell sed -n 's/^ *sizing_pyodide_version: "\(.*\)"/\1/p' _config.yml)
 PYODIDE := $(VENV)/pyodide-$(PYODIDE_VERSION)
@@ -43,13 +48,10 @@ $(VENV)/.installed: requirements.txt | $(BIN)/activate
 ifeq ($(TORCH),system)
 	$(BIN)/python -c "import torch; print('using the installed torch', torch.__version__)"
 	grep -v '^torch==' requirements.txt > $(VENV)/requirements-without-torch.txt
-	$(BIN)/python -m pip install -r $(VENV)/requirements-without-torch.txt
+	$(BIN)/python -m pip install --no-compile -r $(VENV)/requirements-without-torch.txt
 else
 	$(BIN)/python -m pip install --no-compile -r requirements.txt
 endif
-	@# Byte-compile what was installed, on every core (pip compiles one file at a time);
-	@# -qq: like pip, say nothing of the few files written for a newer Python
-	$(BIN)/python -m compileall -qq -j 0 $(VENV)/lib || true
 	touch $@
 
 venv: $(VENV)/.installed

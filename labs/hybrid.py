@@ -45,6 +45,9 @@ Launch lines (from the repository root):
                                    --dp 2 --tp 2 --data-parallel fsdp
   with context parallelism:      torchrun --standalone --nproc_per_node=8 labs/hybrid.py \\
                                    --pp 2 --cp 2 --tp 2
+  three layouts in one launch:   torchrun --standalone --nproc_per_node=8 labs/hybrid.py \\
+                                   --dp 2 --pp 2 --tp 2 \\
+                                   --then dp=2,tp=2,data-parallel=fsdp cp=2,tp=2
   GPU box, NCCL (tp inside the node):  torchrun --standalone --nproc_per_node=8 \\
                                    labs/hybrid.py --dp 2 --pp 2 --tp 2 --out hybrid.json
   two nodes (run on each, HOST = node 0's address; dp spans the nodes):
@@ -56,10 +59,13 @@ JSON: `dp`, `pp`, `cp`, `tp`, `data_parallel`, `shape`, `batch`, `microbatches`,
 init_device_mesh's own groups (`groups_match_init_device_mesh`); `max_param_diff`;
 `state_bytes_per_rank` and `predicted_state_bytes_per_rank` [{params, grads, optimizer,
 total}, one per rank]; `comm_bytes_per_rank` and `predicted_comm_bytes_per_rank` {dp, pp,
-cp, tp: [bytes each rank sends in one step, one per rank]}.
+cp, tp: [bytes each rank sends in one step, one per rank]}; `first_rank` and `ranks`, where
+the layout's ranks start and how many; `then`, a result like this one for each --then
+layout, in order.
 """
 
 import contextlib
+import copy
 import dataclasses
 
 import torch
@@ -107,21 +113,47 @@ def own_names(name, stage, stages, layers):
     return start <= int(name.split(".")[1]) < start + count
 
 
-def device_mesh(args, env):
-    """torch's DeviceMesh of (dp, pp, cp, tp) and its groups; fails if they are not the
-    ones labkit.mesh lays out."""
-    from torch.distributed.device_mesh import init_device_mesh
-    device_mesh = init_device_mesh(env.device.type, (args.dp, args.pp, args.cp, args.tp),
-                                   mesh_dim_names=mesh.DIMENSIONS)
-    process_groups = {dim: device_mesh.get_group(dim) for dim in mesh.DIMENSIONS}
-    mine = {dim: dist.get_process_group_ranks(group) for dim, group in process_groups.items()}
-    everyone = [None] * env.world_size
-    dist.all_gather_object(everyone, mine)
-    theirs = {dim: sorted({tuple(ranks[dim]) for ranks in everyone}) for dim in mesh.DIMENSIONS}
-    expected = mesh.groups(args.dp, args.pp, args.tp, args.cp)
-    if any([list(g) for g in theirs[dim]] != expected[dim] for dim in mesh.DIMENSIONS):
-        raise RuntimeError(f"init_device_mesh made groups {theirs}, labkit.mesh expects {expected}")
-    return {**process_groups, "dp_mesh": device_mesh["dp"]}   # the 1-D mesh FSDP2 shards over
+def layout_size(layout):
+    return layout.dp * layout.pp * layout.cp * layout.tp
+
+
+def device_meshes(layouts, env):
+    """[(first rank, torch's DeviceMesh of (dp, pp, cp, tp), a group of all its ranks)], one
+    per layout, on consecutive blocks of ranks: the first over the whole world with
+    init_device_mesh, the next ones (--then) from rank 0 again, side by side. Every rank
+    builds every mesh, since creating a process group takes the whole world. Fails if a
+    mesh's groups are not the ones labkit.mesh lays out."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    meshes, first = [], 0
+    for index, layout in enumerate(layouts):
+        size, dims = layout_size(layout), (layout.dp, layout.pp, layout.cp, layout.tp)
+        if index == 0:
+            device_mesh, everyone, first = init_device_mesh(
+                env.device.type, dims, mesh_dim_names=mesh.DIMENSIONS), None, 0
+        else:
+            device_mesh = DeviceMesh(env.device.type, torch.arange(first, first + size).view(dims),
+                                     mesh_dim_names=mesh.DIMENSIONS)
+            everyone = dist.new_group(list(range(first, first + size)))
+        inside = device_mesh.get_coordinate() is not None
+        mine = {dim: dist.get_process_group_ranks(device_mesh.get_group(dim))
+                for dim in mesh.DIMENSIONS} if inside else None
+        gathered = [None] * env.world_size
+        dist.all_gather_object(gathered, mine)
+        theirs = {dim: sorted({tuple(ranks[dim]) for ranks in gathered if ranks is not None})
+                  for dim in mesh.DIMENSIONS}
+        expected = offset_groups(layout, first)
+        if any([list(g) for g in theirs[dim]] != expected[dim] for dim in mesh.DIMENSIONS):
+            raise RuntimeError(f"torch's DeviceMesh made groups {theirs}, labkit.mesh expects "
+                               f"{expected}")
+        meshes.append((first, device_mesh, everyone))
+        first = 0 if index == 0 else first + size
+    return meshes
+
+
+def offset_groups(layout, first):
+    """labkit.mesh's groups of a layout whose ranks start at `first`."""
+    return {dim: [[first + r for r in group] for group in groups]
+            for dim, groups in mesh.groups(layout.dp, layout.pp, layout.tp, layout.cp).items()}
 
 
 def measured_state(piece, optimizer):
@@ -204,10 +236,14 @@ class ContextParallelPieces(torch.nn.Module):
         self.head = model.head
 
 
-def run(args, env):
+def run(args, env, first_rank, device_mesh, everyone):
+    """Train one layout on its ranks, from first_rank on (`everyone`, their group; None:
+    the whole world), and return what it measured, the same on each of them."""
     shape = shape_from_args(args)
-    groups = device_mesh(args, env)
-    here = mesh.coordinates(env.rank, args.dp, args.pp, args.tp, args.cp)
+    size = layout_size(args)
+    groups = {**{dim: device_mesh.get_group(dim) for dim in mesh.DIMENSIONS},
+              "dp_mesh": device_mesh["dp"]}   # the 1-D mesh FSDP2 shards over
+    here = mesh.coordinates(env.rank - first_rank, args.dp, args.pp, args.tp, args.cp)
     stage, m = here["pp"], args.microbatches
     first, last = stage == 0, stage == args.pp - 1
 
@@ -232,7 +268,7 @@ def run(args, env):
     order = schedule_order(args.schedule, args.pp, stage, m)
     counters = {dim: comm_model.CollectiveCounter(dist.get_world_size(groups[dim]))
                 for dim in mesh.DIMENSIONS}
-    elsewhere = comm_model.CollectiveCounter(env.world_size)
+    elsewhere = comm_model.CollectiveCounter(size)
 
     for step in range(args.steps):
         ids, targets = rank_batch(shape, args.batch, args.seed, step, 0, env.device)
@@ -263,14 +299,14 @@ def run(args, env):
     diff = max((full[name] - expected[name].detach()).abs().max().item()
                for name in full if own_names(name, stage, args.pp, shape.layers))
     worst = torch.tensor([diff], device=env.device)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=everyone)
 
     predicted_state, predicted_comm = predictions(shape, args, stage, local_shapes, here["dp"])
     mine = {"coords": here, "state": state, "predicted_state": predicted_state,
             "comm": {dim: counters[dim].sent for dim in mesh.DIMENSIONS},
             "predicted_comm": predicted_comm}
-    ranks = [None] * env.world_size
-    dist.all_gather_object(ranks, mine)
+    ranks = [None] * size
+    dist.all_gather_object(ranks, mine, group=everyone)
     exact = lambda value: int(value) if value == int(value) else float(value)  # noqa: E731
     per_dim = lambda key: {dim: [exact(r[key][dim]) for r in ranks]  # noqa: E731
                            for dim in mesh.DIMENSIONS}
@@ -278,8 +314,9 @@ def run(args, env):
             "data_parallel": args.data_parallel,
             "shape": dataclasses.asdict(shape),
             "batch": args.batch, "microbatches": m, "schedule": args.schedule,
-            "mesh": [{"rank": rank, **r["coords"]} for rank, r in enumerate(ranks)],
-            "groups": mesh.groups(args.dp, args.pp, args.tp, args.cp),
+            "first_rank": first_rank, "ranks": size,
+            "mesh": [{"rank": first_rank + rank, **r["coords"]} for rank, r in enumerate(ranks)],
+            "groups": offset_groups(args, first_rank),
             "groups_match_init_device_mesh": True,
             "max_param_diff": worst.item(),
             "state_bytes_per_rank": [r["state"] for r in ranks],
@@ -292,11 +329,11 @@ def run(args, env):
 def report(env, result):
     env.print0(f"{'rank':>4} {'dp':>3} {'pp':>3} {'cp':>3} {'tp':>3} {'state B':>8} "
                f"{'dp sent':>8} {'pp sent':>8} {'cp sent':>8} {'tp sent':>8}")
-    for entry, state in zip(result["mesh"], result["state_bytes_per_rank"]):
+    for index, (entry, state) in enumerate(zip(result["mesh"], result["state_bytes_per_rank"])):
         rank, sent = entry["rank"], result["comm_bytes_per_rank"]
         env.print0(f"{rank:>4} {entry['dp']:>3} {entry['pp']:>3} {entry['cp']:>3} "
-                   f"{entry['tp']:>3} {state['total']:>8,} {sent['dp'][rank]:>8,} "
-                   f"{sent['pp'][rank]:>8,} {sent['cp'][rank]:>8,} {sent['tp'][rank]:>8,}")
+                   f"{entry['tp']:>3} {state['total']:>8,} {sent['dp'][index]:>8,} "
+                   f"{sent['pp'][index]:>8,} {sent['cp'][index]:>8,} {sent['tp'][index]:>8,}")
     exact = (result["comm_bytes_per_rank"] == result["predicted_comm_bytes_per_rank"]
              and result["state_bytes_per_rank"] == result["predicted_state_bytes_per_rank"])
     env.print0("every state and byte count " + ("equals its prediction" if exact else
@@ -336,6 +373,46 @@ def check(args, world_size):
                      f"--microbatches {args.microbatches} equal micro-batches")
 
 
+LAYOUT_KEYS = ("dp", "pp", "cp", "tp", "data-parallel")
+
+
+def layout(text):
+    """argparse type of a --then layout: 'dp=2,tp=2,data-parallel=fsdp' -> {key: value};
+    a degree left out is 1, data parallelism ddp."""
+    values = {"dp": 1, "pp": 1, "cp": 1, "tp": 1, "data-parallel": "ddp"}
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        if key not in LAYOUT_KEYS:
+            raise distenv.argparse.ArgumentTypeError(
+                f"{item!r}: a layout is key=value pairs with keys {', '.join(LAYOUT_KEYS)}")
+        if key == "data-parallel":
+            if value not in ("ddp", "fsdp"):
+                raise distenv.argparse.ArgumentTypeError(f"data-parallel={value}: ddp or fsdp")
+            values[key] = value
+        elif value.isdigit() and int(value) >= 1:
+            values[key] = int(value)
+        else:
+            raise distenv.argparse.ArgumentTypeError(f"{item}: a degree is a whole number, 1 or more")
+    return values
+
+
+def layouts(args, world_size):
+    """The main layout (args), then each --then layout: a copy of args with its degrees, all
+    checked (one line saying why not)."""
+    result = [args]
+    for then in args.then:
+        one = copy.copy(args)
+        one.dp, one.pp, one.cp, one.tp = then["dp"], then["pp"], then["cp"], then["tp"]
+        one.data_parallel, one.then = then["data-parallel"], []
+        check(one, layout_size(one))
+        result.append(one)
+    side_by_side = sum(layout_size(one) for one in result[1:])
+    if side_by_side > world_size:
+        distenv.fail(f"the --then layouts run side by side on {ranks(side_by_side)}, "
+                     f"but the world has {ranks(world_size)}")
+    return result
+
+
 def parse_args(argv=None):
     parser = distenv.lab_parser(__doc__)
     parser.add_argument("--dp", type=distenv.positive_int, default=None,
@@ -354,6 +431,10 @@ def parse_args(argv=None):
     parser.add_argument("--batch", type=distenv.positive_int, default=BATCH,
                         help="sequences per step, over all data-parallel ranks")
     parser.add_argument("--steps", type=distenv.positive_int, default=STEPS, help="training steps")
+    parser.add_argument("--then", type=layout, nargs="+", default=[], metavar="LAYOUT",
+                        help="after the first layout, more on the same ranks, side by side on "
+                             "consecutive blocks from rank 0: e.g. dp=2,tp=2,data-parallel=fsdp "
+                             "cp=2,tp=2 (a degree left out is 1)")
     add_shape_args(parser, SHAPE)
     args = parser.parse_args(None if argv is None else [str(a) for a in argv])
     shape_from_args(args)
@@ -364,16 +445,31 @@ def main():
     args = parse_args()
     with distenv.initialize(args) as env:
         check(args, env.world_size)
-        env.print0(f"mesh dp {args.dp} x pp {args.pp} x cp {args.cp} x tp {args.tp} "
-                   f"({env.backend}), "
-                   f"{args.microbatches} micro-batches of {args.batch // (args.dp * args.microbatches)}"
-                   f" sequences, {args.schedule}")
-        try:
-            result = env.write_result(args, run(args, env))
-        except TimeoutError as error:
-            distenv.fail(str(error), every_rank=True)   # each stage says what it waited for
-        if result is not None:
-            report(env, result)
+        plan = layouts(args, env.world_size)
+        meshes = device_meshes(plan, env)
+        for index, (one, (first, _, _)) in enumerate(zip(plan, meshes)):
+            env.print0(f"mesh dp {one.dp} x pp {one.pp} x cp {one.cp} x tp {one.tp} "
+                       f"({env.backend}, {one.data_parallel}), {one.microbatches} micro-batches"
+                       f" of {one.batch // (one.dp * one.microbatches)} sequences, "
+                       f"{one.schedule}" + (f"; then on ranks {first} to "
+                                            f"{first + layout_size(one) - 1}" if index else ""))
+        results = []
+        for index, (one, (first, device_mesh, everyone)) in enumerate(zip(plan, meshes)):
+            if index > 0 and not first <= env.rank < first + layout_size(one):
+                continue   # a rank past the side-by-side layouts waits for them
+            try:
+                results.append(run(one, env, first, device_mesh, everyone))
+            except TimeoutError as error:
+                distenv.fail(str(error), every_rank=True)   # each stage says what it waited for
+        # the first rank of each side-by-side layout brings its result to rank 0
+        gathered = [None] * env.world_size
+        dist.all_gather_object(gathered, results[1:] if env.rank in
+                               [first for first, _, _ in meshes[1:]] else [])
+        result = dict(results[0], then=sorted((r for rs in gathered for r in rs),
+                                              key=lambda r: r["first_rank"]))
+        if env.write_result(args, result) is not None:
+            for one in [result, *result["then"]]:
+                report(env, one)
 
 
 if __name__ == "__main__":

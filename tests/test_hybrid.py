@@ -13,18 +13,51 @@ from labkit.launch import run_lab
 
 # (dp, pp, cp, tp, data parallelism): the layouts the chapter does not run (it asserts
 # its three, exactly): pairs of axes without the others, an odd degree of FSDP2 over three
-# data-parallel ranks (its padding makes their shards unequal), and context parallelism
-# over three ranks beside data parallelism (a sequence of 12 tokens, 6 zig-zag chunks)
-RUNS = [(2, 2, 1, 1, "ddp"), (1, 2, 1, 2, "ddp"), (3, 1, 1, 1, "fsdp"), (2, 1, 3, 1, "ddp")]
+# data-parallel ranks (its padding makes their shards unequal), tensor parallelism over
+# three ranks, and context parallelism over three ranks beside data parallelism (a sequence
+# of 12 tokens, 6 zig-zag chunks). Two launches: the first layout of each on the whole
+# world, then the others (--then), side by side on blocks of its ranks.
+LAUNCHES = {"six": [(2, 1, 3, 1, "ddp"), (3, 1, 1, 1, "fsdp"), (1, 1, 1, 3, "ddp")],
+            "four": [(1, 2, 1, 2, "ddp"), (2, 2, 1, 1, "ddp")]}
+RUNS = [(name, index) for name, layouts in LAUNCHES.items() for index in range(len(layouts))]
+SEQ = 12   # cuts into 2 x 3 chunks
 
 
-@pytest.fixture(scope="module", params=RUNS, ids=lambda r: "dp%d-pp%d-cp%d-tp%d-%s" % r)
-def result(request):
-    dp, pp, cp, tp, data_parallel = request.param
-    seq = ["--seq", 12] if cp == 3 else []
-    return run_lab("hybrid", dp * pp * cp * tp, ["--dp", dp, "--pp", pp, "--cp", cp, "--tp", tp,
-                                                 "--data-parallel", data_parallel, *seq],
-                   echo=False)
+def layout_option(dp, pp, cp, tp, data_parallel):
+    return f"dp={dp},pp={pp},cp={cp},tp={tp},data-parallel={data_parallel}"
+
+
+@pytest.fixture(scope="module")
+def launches():
+    """Each launch's result, run when a test first asks for it."""
+    done = {}
+
+    def launch(name):
+        if name not in done:
+            (dp, pp, cp, tp, data_parallel), *then = LAUNCHES[name]
+            done[name] = run_lab("hybrid", dp * pp * cp * tp, [
+                "--dp", dp, "--pp", pp, "--cp", cp, "--tp", tp, "--data-parallel", data_parallel,
+                "--seq", SEQ, *(["--then", *map(layout_option, *zip(*then))] if then else [])],
+                echo=False)
+        return done[name]
+    return launch
+
+
+@pytest.fixture(scope="module", params=RUNS,
+                ids=lambda run: "dp%d-pp%d-cp%d-tp%d-%s" % LAUNCHES[run[0]][run[1]])
+def result(request, launches):
+    name, index = request.param
+    whole = launches(name)
+    return whole if index == 0 else whole["then"][index - 1]
+
+
+def test_the_layouts_of_one_launch_run_side_by_side(launches):
+    whole = launches("six")
+    assert whole["world_size"] == 6 and (whole["first_rank"], whole["ranks"]) == (0, 6)
+    assert [(r["first_rank"], r["ranks"]) for r in whole["then"]] == [(0, 3), (3, 3)]
+    assert [(r["dp"], r["pp"], r["cp"], r["tp"], r["data_parallel"]) for r in whole["then"]] \
+        == [layout[:4] + (layout[4],) for layout in LAUNCHES["six"][1:]]
+    assert launches("four")["then"][0]["first_rank"] == 0   # the whole world again
 
 
 def test_the_trained_model_is_the_single_process_one(result):
@@ -33,16 +66,18 @@ def test_the_trained_model_is_the_single_process_one(result):
 
 def test_the_mesh_puts_tp_innermost_and_matches_init_device_mesh(result):
     dp, pp, cp, tp = result["dp"], result["pp"], result["cp"], result["tp"]
-    world = dp * pp * cp * tp
-    assert result["world_size"] == world
+    world, first = dp * pp * cp * tp, result["first_rank"]
+    assert result["ranks"] == world
     assert result["groups_match_init_device_mesh"] is True
+    assert [e["rank"] for e in result["mesh"]] == list(range(first, first + world))
     assert [(e["dp"], e["pp"], e["cp"], e["tp"]) for e in result["mesh"]] == [
         (d, p, c, t) for d in range(dp) for p in range(pp) for c in range(cp) for t in range(tp)]
-    assert result["groups"] == mesh.groups(dp, pp, tp, cp)
+    assert result["groups"] == {dim: [[first + r for r in g] for g in groups]
+                                for dim, groups in mesh.groups(dp, pp, tp, cp).items()}
     for dim, size in (("dp", dp), ("pp", pp), ("cp", cp), ("tp", tp)):
         groups = result["groups"][dim]
         assert len(groups) == world // size and all(len(g) == size for g in groups)
-        assert sorted(r for g in groups for r in g) == list(range(world))
+        assert sorted(r for g in groups for r in g) == list(range(first, first + world))
 
 
 def test_counted_bytes_and_state_equal_the_cost_models_exactly(result):
@@ -68,8 +103,9 @@ def test_tp_and_fsdp_divide_the_state_and_ddp_does_not(result):
     dp, pp, tp = result["dp"], result["pp"], result["tp"]
     replica = hybrid.parse_args(["--dp", dp, "--pp", pp, "--tp", tp, "--cp", result["cp"],
                                  "--seq", result["shape"]["seq"]])   # whole replicas
+    per_rank = dict(zip((e["rank"] for e in result["mesh"]), per_rank))
     for group in result["groups"]["dp"]:
-        stage = result["mesh"][group[0]]["pp"]
+        stage = result["mesh"][group[0] - result["first_rank"]]["pp"]
         whole = hybrid.predictions(hybrid.shape_from_args(replica), replica, stage)[0]["total"]
         if result["data_parallel"] == "ddp":
             assert all(per_rank[r] == whole for r in group)
@@ -79,7 +115,7 @@ def test_tp_and_fsdp_divide_the_state_and_ddp_does_not(result):
     if pp == 1 and tp > 1:
         model = 3 * 4 * hybrid.memory_model.transformer_params(
             *(result["shape"][k] for k in ("layers", "hidden", "vocab", "seq")))
-        slice_ = hybrid.predictions(hybrid.SHAPE, replica, 0)[0]["total"]
+        slice_ = hybrid.predictions(hybrid.shape_from_args(replica), replica, 0)[0]["total"]
         assert model / tp < slice_ < model / tp * 1.2
 
 
@@ -90,6 +126,13 @@ def test_bad_input_is_refused_in_one_line(script):
                                "--dp 2 x --pp 1 x --cp 1 x --tp 1 = 2, but the world has 1 rank")
     assert_fails_with_one_line(script("hybrid", "--pp", "5"),
                                "a world of 1 rank is not a multiple of --pp 5")
+    assert_refused(hybrid.parse_args, ["--then", "dp=2,ep=2"], "keys dp, pp, cp, tp, data-parallel")
+    assert_refused(hybrid.parse_args, ["--then", "tp=0"], "tp=0: a degree is a whole number")
+    assert_fails_with_one_line(script("hybrid", "--then", "dp=2"),
+                               "the --then layouts run side by side on 2 ranks, but the world "
+                               "has 1 rank")
+    assert_fails_with_one_line(script("hybrid", "--then", "cp=2,data-parallel=fsdp"),
+                               "--cp with --data-parallel fsdp is not built here")
 
 
 def test_degrees_the_model_cannot_take_are_refused():
