@@ -13,9 +13,14 @@ while the next ones are still on the wire.
   --sizes LIST    a timing sweep, e.g. 4K,64K,1M,16M (bytes; K/M/G = 2^10/2^20/2^30),
                   ring and dist.all_reduce alternating, --repeats timed samples per size,
                   each sample the operation repeated back to back for about 20 ms
+  --sub-worlds LIST  then the same again on the first k ranks alone, for each k (e.g. 2):
+                  a world of k inside this launch, on its own process group, while the
+                  other ranks wait
 
 Launch lines (from the repository root):
   laptop, gloo on CPU:  torchrun --standalone --nproc_per_node=4 labs/ring_allreduce.py --sizes 4K,1M,16M
+  N = 4, then N = 2:    torchrun --standalone --nproc_per_node=4 labs/ring_allreduce.py \
+                          --sizes 4K,1M,16M --sub-worlds 2
   one process:          python labs/ring_allreduce.py --numel 1000
   GPU box, NCCL:        torchrun --standalone --nproc_per_node=8 labs/ring_allreduce.py --sizes 1M,64M,1G
   two nodes (run on each, HOST = node 0's address):
@@ -26,7 +31,8 @@ JSON metrics: correctness [{numel, max_abs_err, bytes_sent_per_rank (counted on 
 predicted_bytes_per_rank, bytes_sent_by_rank, predicted_bytes_by_rank}], one per --numel,
 and with --sizes: sweep [{bytes, iterations (per sample), ring_time_s, library_time_s (per
 operation, median), ring_busbw_gbps, library_busbw_gbps, ...}], alpha_s, beta_bytes_per_s
-(fitted to the library).
+(fitted to the library); sub_worlds [{world_size, correctness, and with --sizes sweep,
+alpha_s, beta_bytes_per_s}], one per --sub-worlds size.
 """
 
 import itertools
@@ -76,15 +82,17 @@ def _receive_buffers(numel, dtype, device):
     return _buffers[key][:, :numel]
 
 
-def run_ring(flat, steps, segment_bytes=SEGMENT_BYTES):
+def run_ring(flat, steps, segment_bytes=SEGMENT_BYTES, group=None):
     """Run consecutive ring `steps` on the 1-D tensor `flat`, in place, pipelined by segment.
 
     Segment k of a step is sent as soon as segment k of the step before has arrived (and, in
     the reduce-scatter, been added): the next step's sending overlaps this step's receiving
-    and adding, and the link never waits for a whole chunk. Returns elements sent.
+    and adding, and the link never waits for a whole chunk. Returns elements sent. The ring
+    runs over `group`'s ranks (None: the world's).
     """
-    rank, n = dist.get_rank(), dist.get_world_size()
-    nxt, prev = (rank + 1) % n, (rank - 1) % n
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    global_rank = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
+    nxt, prev = global_rank((rank + 1) % n), global_rank((rank - 1) % n)
     bounds = comm_model.chunk_bounds(flat.numel(), n)
     largest = bounds[0][1] - bounds[0][0]
     grain = max(1, segment_bytes // flat.element_size())
@@ -112,11 +120,12 @@ def run_ring(flat, steps, segment_bytes=SEGMENT_BYTES):
             if outgoing is not None:
                 a, b = outgoing
                 finish(a, b)  # the step before must have delivered this segment
-                ops.append(dist.P2POp(dist.isend, flat[a:b], nxt))
+                ops.append(dist.P2POp(dist.isend, flat[a:b], nxt, group=group))
                 sent += b - a
             if arriving is not None:
                 a, b = arriving
-                ops.append(dist.P2POp(dist.irecv, incoming[a - offset:b - offset], prev))
+                ops.append(dist.P2POp(dist.irecv, incoming[a - offset:b - offset], prev,
+                                      group=group))
             works = dist.batch_isend_irecv(ops)
             # gloo returns one work per op (the receive's last), NCCL one for the batch
             mine = works[-1:] if len(works) == len(ops) else works
@@ -151,37 +160,39 @@ def _finisher(pending, flat, scratch):
     return finish
 
 
-def ring_allreduce(tensor, segment_bytes=SEGMENT_BYTES):
-    """Sum `tensor` over all ranks, in place. Returns the number of bytes this rank sent."""
+def ring_allreduce(tensor, segment_bytes=SEGMENT_BYTES, group=None):
+    """Sum `tensor` over `group`'s ranks (None: the world's), in place. Returns the number
+    of bytes this rank sent."""
     flat = tensor.view(-1)  # a view: results land in `tensor`
-    steps = ring_steps(dist.get_rank(), dist.get_world_size())
-    return run_ring(flat, steps, segment_bytes) * tensor.element_size()
+    steps = ring_steps(dist.get_rank(group), dist.get_world_size(group))
+    return run_ring(flat, steps, segment_bytes, group) * tensor.element_size()
 
 
-def check_correctness(env, numel, seed, segment_bytes):
+def check_correctness(env, numel, seed, segment_bytes, group=None):
     """Ring vs dist.all_reduce on the same random input; bytes counted on every rank."""
-    gen = distenv.generator(seed, "data", numel, env.rank)  # different data on every rank
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    gen = distenv.generator(seed, "data", numel, rank)  # different data on every rank
     data = torch.randn(numel, generator=gen).to(env.device)
     expected = data.clone()
-    dist.all_reduce(expected)
-    sent = ring_allreduce(data, segment_bytes)
+    dist.all_reduce(expected, group=group)
+    sent = ring_allreduce(data, segment_bytes, group)
     max_abs_err = (data - expected).abs().max().item()
     sent_by_rank = torch.tensor([float(sent)], device=env.device)
-    gathered = [torch.zeros_like(sent_by_rank) for _ in range(env.world_size)]
-    dist.all_gather(gathered, sent_by_rank)
+    gathered = [torch.zeros_like(sent_by_rank) for _ in range(n)]
+    dist.all_gather(gathered, sent_by_rank, group=group)
     return {
         "numel": numel,
         "max_abs_err": max_abs_err,
         "bytes_sent_per_rank": sent,
         "predicted_bytes_per_rank": comm_model.ring_allreduce_bytes_sent(
-            numel, env.world_size, env.rank, data.element_size()),
+            numel, n, rank, data.element_size()),
         "bytes_sent_by_rank": [int(t.item()) for t in gathered],
         "predicted_bytes_by_rank": [comm_model.ring_allreduce_bytes_sent(
-            numel, env.world_size, r, data.element_size()) for r in range(env.world_size)],
+            numel, n, r, data.element_size()) for r in range(n)],
     }
 
 
-def sweep(env, sizes, repeats, segment_bytes):
+def sweep(env, sizes, repeats, segment_bytes, group=None):
     """Time the ring and dist.all_reduce on each size, alternating, median of the repeats.
 
     Each timed sample runs the operation `iterations` times back to back and reports the
@@ -189,27 +200,28 @@ def sweep(env, sizes, repeats, segment_bytes):
     sample releases the ranks a little apart, and over a sample of about SAMPLE_S that skew
     is a small part of the time instead of most of it for small messages.
     """
-    rows = []
+    rows, n = [], dist.get_world_size(group)
     for size in sizes:
         numel = size // ELEMENT_SIZE
         source = torch.randn(numel).to(env.device)
         buffer = torch.empty_like(source)
         implementations = {
-            "ring": lambda: ring_allreduce(buffer, segment_bytes),
-            "library": lambda: dist.all_reduce(buffer),
+            "ring": lambda: ring_allreduce(buffer, segment_bytes, group),
+            "library": lambda: dist.all_reduce(buffer, group=group),
         }
         warm = []   # the first runs set up connections and buffers; they also size a sample
         for _ in range(WARMUP):
             for operation in implementations.values():
                 buffer.copy_(source)
-                warm.append(timing.timed(env.device, operation))
+                warm.append(timing.timed(env.device, operation, group))
         # timed() returns the slowest rank's time, so every rank picks the same count
         iterations = max(1, min(MAX_ITERATIONS, round(SAMPLE_S / statistics.median(warm))))
         times = {name: [] for name in implementations}
         for index in range(repeats):
             for name, operation in implementations.items():
                 buffer.copy_(source)  # same input each time, outside the timed region
-                elapsed = timing.timed(env.device, lambda: [operation() for _ in range(iterations)])
+                elapsed = timing.timed(env.device, lambda: [operation() for _ in range(iterations)],
+                                       group)
                 times[name].append(elapsed / iterations)
             env.progress(f"{size} bytes: {index + 1}/{repeats}")
         row = {"bytes": numel * ELEMENT_SIZE, "iterations": iterations}
@@ -218,7 +230,7 @@ def sweep(env, sizes, repeats, segment_bytes):
             row[f"{name}_time_s"] = median
             row[f"{name}_time_quartiles_s"] = [low, high]
             row[f"{name}_busbw_gbps"] = (comm_model.bus_bandwidth("all_reduce", row["bytes"], median,
-                                                                  env.world_size) / 1e9)
+                                                                  n) / 1e9)
         row["ring_over_library_busbw"] = row["library_time_s"] / row["ring_time_s"]
         rows.append(row)
     env.progress("")
@@ -234,6 +246,9 @@ def parse_args(argv=None):
                              "K/M/G suffixes accepted (e.g. 4K,64K,1M,16M)")
     parser.add_argument("--repeats", type=distenv.positive_int, default=REPEATS,
                         help="timed runs per size")
+    parser.add_argument("--sub-worlds", type=distenv.int_list(1), default=[],
+                        help="then the same on the first k ranks alone, for each k "
+                             "(comma-separated)")
     parser.add_argument("--segment-bytes", type=distenv.at_least(ELEMENT_SIZE),
                         default=SEGMENT_BYTES, help="pipelining grain of the ring, in bytes")
     args = parser.parse_args(argv)
@@ -248,43 +263,60 @@ def parse_args(argv=None):
     return args
 
 
+def measure(env, args, group=None):
+    """The correctness runs and the sweep over `group`'s ranks (None: the world's)."""
+    n = dist.get_world_size(group)
+    metrics = {"correctness": []}
+    env.print0(f"ring all-reduce of float32, world size {n} ({env.backend})")
+    for numel in args.numel:
+        check = check_correctness(env, numel, args.seed, args.segment_bytes, group)
+        metrics["correctness"].append(check)
+        env.print0(f"{numel:>9,} elements: max |ring - library| {check['max_abs_err']:.1e}, "
+                   f"rank 0 sent {check['bytes_sent_per_rank']:,} B (predicted "
+                   f"{check['predicted_bytes_per_rank']:,})")
+    if args.sizes:
+        rows = sweep(env, args.sizes, args.repeats, args.segment_bytes, group)
+        metrics["sweep"] = rows
+        metrics["alpha_s"] = metrics["beta_bytes_per_s"] = None
+        if n > 1 and len(rows) > 1:
+            try:
+                alpha, beta = comm_model.fit_alpha_beta([r["bytes"] for r in rows],
+                                                        [r["library_time_s"] for r in rows], n)
+            except ValueError as error:
+                env.print0(f"no alpha-beta fit: {error}")
+            else:
+                metrics["alpha_s"], metrics["beta_bytes_per_s"] = alpha, beta
+                for row in rows:
+                    row["predicted_time_s"] = comm_model.allreduce_time(row["bytes"], n,
+                                                                        alpha, beta)
+        env.print0(f"{'bytes':>12} {'ring ms':>9} {'library ms':>10} {'ring busbw':>11} "
+                   f"{'lib busbw':>10} {'ratio':>6}   (busbw in GB/s)")
+        for r in rows:
+            env.print0(f"{r['bytes']:>12} {r['ring_time_s'] * 1e3:>9.3f} "
+                       f"{r['library_time_s'] * 1e3:>10.3f} {r['ring_busbw_gbps']:>11.3f} "
+                       f"{r['library_busbw_gbps']:>10.3f} {r['ring_over_library_busbw']:>6.2f}")
+        if metrics["alpha_s"] is not None:
+            env.print0(f"alpha-beta fit to dist.all_reduce: alpha = "
+                       f"{metrics['alpha_s'] * 1e6:.1f} us, "
+                       f"beta = {metrics['beta_bytes_per_s'] / 1e9:.3f} GB/s")
+    return metrics
+
+
 def main():
     args = parse_args()
     with distenv.initialize(args) as env:
-        metrics = {"correctness": []}
-        env.print0(f"ring all-reduce of float32, world size {env.world_size} ({env.backend})")
-        for numel in args.numel:
-            check = check_correctness(env, numel, args.seed, args.segment_bytes)
-            metrics["correctness"].append(check)
-            env.print0(f"{numel:>9,} elements: max |ring - library| {check['max_abs_err']:.1e}, "
-                       f"rank 0 sent {check['bytes_sent_per_rank']:,} B (predicted "
-                       f"{check['predicted_bytes_per_rank']:,})")
-        if args.sizes:
-            rows = sweep(env, args.sizes, args.repeats, args.segment_bytes)
-            metrics["sweep"] = rows
-            metrics["alpha_s"] = metrics["beta_bytes_per_s"] = None
-            if env.world_size > 1 and len(rows) > 1:
-                try:
-                    alpha, beta = comm_model.fit_alpha_beta([r["bytes"] for r in rows],
-                                                            [r["library_time_s"] for r in rows],
-                                                            env.world_size)
-                except ValueError as error:
-                    env.print0(f"no alpha-beta fit: {error}")
-                else:
-                    metrics["alpha_s"], metrics["beta_bytes_per_s"] = alpha, beta
-                    for row in rows:
-                        row["predicted_time_s"] = comm_model.allreduce_time(
-                            row["bytes"], env.world_size, alpha, beta)
-            env.print0(f"{'bytes':>12} {'ring ms':>9} {'library ms':>10} {'ring busbw':>11} "
-                       f"{'lib busbw':>10} {'ratio':>6}   (busbw in GB/s)")
-            for r in rows:
-                env.print0(f"{r['bytes']:>12} {r['ring_time_s'] * 1e3:>9.3f} "
-                           f"{r['library_time_s'] * 1e3:>10.3f} {r['ring_busbw_gbps']:>11.3f} "
-                           f"{r['library_busbw_gbps']:>10.3f} {r['ring_over_library_busbw']:>6.2f}")
-            if metrics["alpha_s"] is not None:
-                env.print0(f"alpha-beta fit to dist.all_reduce: alpha = "
-                           f"{metrics['alpha_s'] * 1e6:.1f} us, "
-                           f"beta = {metrics['beta_bytes_per_s'] / 1e9:.3f} GB/s")
+        too_big = [k for k in args.sub_worlds if k > env.world_size]
+        if too_big:
+            distenv.fail(f"--sub-worlds {too_big[0]}: the world has only {env.world_size} "
+                         f"rank{'s' * (env.world_size > 1)}")
+        # every rank creates every group (creating one takes the whole world), then waits
+        # for the sub-worlds it is not in
+        groups = {k: dist.new_group(list(range(k))) for k in args.sub_worlds}
+        metrics = measure(env, args)
+        metrics["sub_worlds"] = []
+        for k, group in groups.items():
+            result = measure(env, args, group) if env.rank < k else None
+            metrics["sub_worlds"].append(dict(result or {}, world_size=k))
         env.write_result(args, metrics)
 
 

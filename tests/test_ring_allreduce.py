@@ -8,11 +8,21 @@ from conftest import assert_fails_with_one_line, assert_refused
 from labkit.launch import run_lab
 
 
+@pytest.fixture(scope="module")
+def odd_worlds():
+    """N = 5, and N = 3 on its first three ranks in the same launch: {N: its results}. One
+    element (ranks get empty chunks), N - 1 elements at both N, and a length no N divides."""
+    result = run_lab("ring_allreduce", 5, ["--numel", "1,2,4,1000003", "--sub-worlds", 3],
+                     echo=False)
+    assert [sub["world_size"] for sub in result["sub_worlds"]] == [3]
+    return {5: result, 3: result["sub_worlds"][0]}
+
+
 @pytest.mark.parametrize("n", [3, 5])
-def test_ring_matches_library_and_counted_bytes_match_predicted(n):
-    # one element (four ranks get empty chunks), N - 1 elements, and a length no N divides
-    result = run_lab("ring_allreduce", n, ["--numel", f"1,{n - 1},1000003"], echo=False)
-    assert [check["numel"] for check in result["correctness"]] == [1, n - 1, 1000003]
+def test_ring_matches_library_and_counted_bytes_match_predicted(odd_worlds, n):
+    result = odd_worlds[n]
+    assert result["world_size"] == n
+    assert [check["numel"] for check in result["correctness"]] == [1, 2, 4, 1000003]
     for check in result["correctness"]:
         assert check["max_abs_err"] <= 1e-5, check
         assert check["bytes_sent_per_rank"] == check["predicted_bytes_per_rank"]
@@ -38,14 +48,16 @@ def test_many_segments_of_unequal_counts_pair_up_in_their_batches():
     (["--sizes", "2"], "less than one float32 element"),
     (["--repeats", 0], "--repeats must be at least 1"),
     (["--segment-bytes", 2], "--segment-bytes must be at least 4"),
+    (["--sub-worlds", 0], "--sub-worlds must be at least 1"),
 ])
 def test_bad_input_is_refused_in_one_line(args, words):
     assert_refused(ring_allreduce.parse_args, args, words)
 
 
 def test_bad_input_exits_with_one_clear_line(script):
-    assert_fails_with_one_line(script("ring_allreduce", "--numel", 0),
-                               "--numel must be at least 1")
+    # a refusal that needs the world's size, so it comes after the process group forms
+    assert_fails_with_one_line(script("ring_allreduce", "--sub-worlds", 2),
+                               "--sub-worlds 2: the world has only 1 rank")
 
 
 def test_help_lists_its_options_and_launch_lines(capsys):
