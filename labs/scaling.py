@@ -9,6 +9,9 @@ taken apart into compute and communication, and set against the step-time model.
   --scaling weak    --batch sequences on every rank: the total grows with N
 Both options take a comma-separated list (or all): every combination runs in the same
 launch, one after another, and the link is fitted once for all of them.
+  --sub-worlds LIST  then all of it again on the first k ranks alone, for each k (e.g. 1,2):
+                  a world of k inside this launch, on its own process group, while the
+                  other ranks wait
 
 Measured, all ranks at once, each time the slowest rank's:
   step_time_s      median of --steps timed steps after --warmup (spread: the quartiles)
@@ -25,6 +28,8 @@ FSDP is modelled without overlap.
 
 Launch lines (from the repository root):
   one process:           python labs/scaling.py --strategy ddp --scaling strong
+  N = 3, then 1 and 2:   torchrun --standalone --nproc_per_node=3 labs/scaling.py \
+                           --strategy all --scaling all --sub-worlds 1,2
   laptop, gloo on CPU:   torchrun --standalone --nproc_per_node=2 labs/scaling.py \
                            --strategy ddp --scaling strong --out s2.json
   GPU box, NCCL:         torchrun --standalone --nproc_per_node=8 labs/scaling.py \
@@ -38,7 +43,8 @@ not grow with size, as on NVLink at these sizes; predictions are then null), par
 [{strategy, scaling, step_time_s, step_time_spread_s (upper minus lower quartile),
 step_time_quartiles_s, samples_per_s, compute_time_s (and forward_, backward_,
 optimizer_time_s), comm_time_s, predicted_step_time_s, predicted_comm_time_s,
-model_overlap, collectives [{op, bytes}], batch_per_rank, global_batch}].
+model_overlap, collectives [{op, bytes}], batch_per_rank, global_batch}]; sub_worlds
+[{world_size, alpha_s, beta_bytes_per_s, link_fit_error, runs}], one per --sub-worlds size.
 """
 
 import copy
@@ -49,7 +55,7 @@ import torch.distributed as dist
 
 from labkit import comm_model, distenv, memory_model, time_model, timing
 from labkit.strategies import SCALING_SHAPE as SHAPE
-from labkit.strategies import apply_ddp, apply_fsdp, rank_batch, train_step
+from labkit.strategies import apply_ddp, apply_fsdp, rank_batch, train_step, world_mesh
 from labkit.transformer import Transformer, next_token_loss
 
 STRATEGIES = ("ddp", "fsdp")
@@ -76,41 +82,42 @@ def collectives(model, strategy, world_size):
     return forward + backward
 
 
-def issue(op, buffers):
+def issue(op, buffers, group=None):
     """One collective on preallocated buffers (full size, and a 1/N slice for shards)."""
     full, shard = buffers
     if op == "all_reduce":
-        dist.all_reduce(full)
+        dist.all_reduce(full, group=group)
     elif op == "all_gather":
-        distenv.all_gather_single(full, shard)
+        distenv.all_gather_single(full, shard, group=group)
     else:
-        distenv.reduce_scatter_single(shard, full)
+        distenv.reduce_scatter_single(shard, full, group=group)
 
 
-def time_collectives(plan, env, repeats, warmup):
+def time_collectives(plan, env, repeats, warmup, group=None):
     """Median seconds of the step's collectives issued back to back, nothing else running."""
-    n = env.world_size
+    n = dist.get_world_size(group)
     buffers = [(torch.zeros(b // 4, device=env.device),
                 torch.zeros(b // 4 // n, device=env.device)) for _, b in plan]
-    times = [timing.timed(env.device, lambda: [issue(op, buf) for (op, _), buf in
-                                              zip(plan, buffers)])
+    times = [timing.timed(env.device, lambda: [issue(op, buf, group) for (op, _), buf in
+                                              zip(plan, buffers)], group)
              for _ in range(warmup + repeats)]
     return statistics.median(times[warmup:])
 
 
-def fit_link(env, repeats):
+def fit_link(env, repeats, group=None):
     """(alpha, beta, why not): alpha and beta of this machine's all-reduce at this world
     size, or None and None with the reason (None at N = 1, where nothing is sent)."""
-    if env.world_size == 1:
+    n = env.world_size if group is None else dist.get_world_size(group)
+    if n == 1:
         return None, None, None
     times = []
     for size in SWEEP_BYTES:
         buffer = torch.zeros(size // 4, device=env.device)
-        runs = [timing.timed(env.device, lambda: dist.all_reduce(buffer))
+        runs = [timing.timed(env.device, lambda: dist.all_reduce(buffer, group=group), group)
                 for _ in range(WARMUP + repeats)]
         times.append(statistics.median(runs[WARMUP:]))
     try:
-        return (*comm_model.fit_alpha_beta(list(SWEEP_BYTES), times, env.world_size), None)
+        return (*comm_model.fit_alpha_beta(list(SWEEP_BYTES), times, n), None)
     except ValueError as error:
         # On NVLink an all-reduce of these sizes takes about the same few microseconds
         # whatever its size: no bandwidth to fit. The lab still measures; it predicts nothing.
@@ -127,41 +134,46 @@ def predicted_comm(plan, world_size, alpha, beta):
             time_model.shard_collective_time(b, world_size, alpha, beta) for op, b in plan]
 
 
-def measure(strategy, scaling, args, env, link):
-    """One (strategy, scaling) at this world size: the step, its parts, the model."""
-    batch_per_rank = args.batch // env.world_size if scaling == "strong" else args.batch
+def measure(strategy, scaling, args, env, link, group=None):
+    """One (strategy, scaling) at this world size (of `group`; None: the world's): the
+    step, its parts, the model."""
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    batch_per_rank = args.batch // n if scaling == "strong" else args.batch
     torch.manual_seed(args.seed)
     model = Transformer(SHAPE).to(env.device)
     plain = copy.deepcopy(model)
-    ids, targets = rank_batch(SHAPE, batch_per_rank, args.seed, 0, env.rank, env.device)
-    plan = collectives(model, strategy, env.world_size)
+    ids, targets = rank_batch(SHAPE, batch_per_rank, args.seed, 0, rank, env.device)
+    plan = collectives(model, strategy, n)
 
     # 1. the step itself
-    wrapped = apply_ddp(model, env.device) if strategy == "ddp" else apply_fsdp(model, env.device)
+    wrapped = (apply_ddp(model, env.device, process_group=group) if strategy == "ddp" else
+               apply_fsdp(model, env.device, mesh=world_mesh(env.device, group)))
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=LEARNING_RATE)
-    steps = [timing.timed(env.device, lambda: train_step(wrapped, optimizer, ids, targets))
+    steps = [timing.timed(env.device, lambda: train_step(wrapped, optimizer, ids, targets),
+                          group)
              for _ in range(args.warmup + args.steps)][args.warmup:]
     median, low, high = timing.summary(steps)
     env.progress(f"{strategy}, {scaling}: compute alone")
     # 2. its parts alone: compute without communication, communication without compute
     compute = timing.compute_times(plain, torch.optim.SGD(plain.parameters(), lr=LEARNING_RATE),
-                                   next_token_loss, ids, targets, env.device, args.steps)
+                                   next_token_loss, ids, targets, env.device, args.steps,
+                                   group=group)
     env.progress(f"{strategy}, {scaling}: communication alone")
-    comm = time_collectives(plan, env, args.steps, args.warmup) if env.world_size > 1 else 0.0
+    comm = time_collectives(plan, env, args.steps, args.warmup, group) if n > 1 else 0.0
     env.progress("")
 
     # 3. the model
     overlap = strategy == "ddp" and env.device.type == "cuda"
-    comm_each = predicted_comm(plan, env.world_size, *link[:2])
+    comm_each = predicted_comm(plan, n, *link[:2])
     predicted = None if comm_each is None else time_model.step_time(
         compute["forward_s"], compute["backward_s"], [b for _, b in plan], comm_each, overlap,
         compute["optimizer_s"])
     return {
         "strategy": strategy, "scaling": scaling,
-        "batch_per_rank": batch_per_rank, "global_batch": batch_per_rank * env.world_size,
+        "batch_per_rank": batch_per_rank, "global_batch": batch_per_rank * n,
         "step_time_s": median, "step_time_spread_s": high - low,
         "step_time_quartiles_s": [low, high],
-        "samples_per_s": batch_per_rank * env.world_size / median,
+        "samples_per_s": batch_per_rank * n / median,
         "compute_time_s": sum(compute.values()),
         **{f"{phase[:-2]}_time_s": seconds for phase, seconds in compute.items()},
         "comm_time_s": comm,
@@ -190,39 +202,59 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=distenv.positive_int, default=STEPS, help="timed steps")
     parser.add_argument("--warmup", type=distenv.at_least(0), default=WARMUP,
                         help="untimed first steps")
+    parser.add_argument("--sub-worlds", type=distenv.int_list(1), default=[],
+                        help="then all of it on the first k ranks alone, for each k "
+                             "(comma-separated)")
     return parser.parse_args(argv)
+
+
+def measure_all(args, env, group=None):
+    """The link fit and every (strategy, scaling) at the world size of `group` (None: the
+    world's): {alpha_s, beta_bytes_per_s, link_fit_error, runs}."""
+    n = dist.get_world_size(group)
+    env.print0(f"world size {n} ({env.backend})")
+    link = fit_link(env, args.steps, group)
+    if link[2] is not None:
+        env.print0(f"no alpha-beta fit, so no predicted times: {link[2]}")
+    runs = []
+    for strategy in args.strategy:
+        for scaling in args.scaling:
+            if n == 1 and runs and runs[-1]["strategy"] == strategy:
+                # one rank: strong and weak scaling are the same run, measured once
+                run = dict(runs[-1], scaling=scaling)
+            else:
+                run = measure(strategy, scaling, args, env, link, group)
+            runs.append(run)
+            env.print0(f"{strategy}, {scaling} scaling, {run['batch_per_rank']} sequences "
+                       f"per rank:")
+            env.print0(f"  step {run['step_time_s'] * 1e3:.2f} ms (IQR "
+                       f"{run['step_time_spread_s'] * 1e3:.2f}), "
+                       f"{run['samples_per_s']:.1f} samples/s"
+                       + ("" if run["predicted_step_time_s"] is None else
+                          f", predicted {run['predicted_step_time_s'] * 1e3:.2f} ms"))
+            env.print0(f"  compute alone {run['compute_time_s'] * 1e3:.2f} ms, "
+                       f"communication alone {run['comm_time_s'] * 1e3:.2f} ms")
+    return {"alpha_s": link[0], "beta_bytes_per_s": link[1], "link_fit_error": link[2],
+            "runs": runs}
 
 
 def main():
     args = parse_args()
     with distenv.initialize(args) as env:
-        check_batch(args, env.world_size)
-        env.print0(f"world size {env.world_size} ({env.backend})")
-        link = fit_link(env, args.steps)
-        if link[2] is not None:
-            env.print0(f"no alpha-beta fit, so no predicted times: {link[2]}")
-        runs = []
-        for strategy in args.strategy:
-            for scaling in args.scaling:
-                if env.world_size == 1 and runs and runs[-1]["strategy"] == strategy:
-                    # one rank: strong and weak scaling are the same run, measured once
-                    run = dict(runs[-1], scaling=scaling)
-                else:
-                    run = measure(strategy, scaling, args, env, link)
-                runs.append(run)
-                env.print0(f"{strategy}, {scaling} scaling, {run['batch_per_rank']} sequences "
-                           f"per rank:")
-                env.print0(f"  step {run['step_time_s'] * 1e3:.2f} ms (IQR "
-                           f"{run['step_time_spread_s'] * 1e3:.2f}), "
-                           f"{run['samples_per_s']:.1f} samples/s"
-                           + ("" if run["predicted_step_time_s"] is None else
-                              f", predicted {run['predicted_step_time_s'] * 1e3:.2f} ms"))
-                env.print0(f"  compute alone {run['compute_time_s'] * 1e3:.2f} ms, "
-                           f"communication alone {run['comm_time_s'] * 1e3:.2f} ms")
+        for size in [env.world_size, *args.sub_worlds]:
+            check_batch(args, size)
+        too_big = [k for k in args.sub_worlds if k > env.world_size]
+        if too_big:
+            distenv.fail(f"--sub-worlds {too_big[0]}: the world has only {env.world_size} "
+                         f"rank{'s' * (env.world_size > 1)}")
+        # every rank creates every group (creating one takes the whole world), then waits
+        # for the sub-worlds it is not in
+        groups = {k: dist.new_group(list(range(k))) for k in args.sub_worlds}
+        result = measure_all(args, env)
+        result["sub_worlds"] = [dict(measure_all(args, env, group) if env.rank < k else {},
+                                     world_size=k) for k, group in groups.items()]
         env.write_result(args, {
-            "alpha_s": link[0], "beta_bytes_per_s": link[1], "link_fit_error": link[2],
-            "param_count": sum(p.numel() for p in Transformer(SHAPE).parameters()),
-            "runs": runs})
+            "param_count": sum(p.numel() for p in Transformer(SHAPE).parameters()), **result})
 
 
 if __name__ == "__main__":

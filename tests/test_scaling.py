@@ -97,19 +97,22 @@ def test_strong_scaling_needs_a_batch_that_divides():
     (["--batch", 0], "--batch must be at least 1"),
     (["--steps", 0], "--steps must be at least 1"),
     (["--warmup", -1], "--warmup must be at least 0"),
+    (["--sub-worlds", "2,0"], "--sub-worlds must be at least 1"),
 ])
 def test_bad_input_is_refused_in_one_line(args, words):
     assert_refused(scaling.parse_args, args, words)
 
 
 def test_bad_input_exits_with_one_clear_line(script):
-    assert_fails_with_one_line(script("scaling", "--strategy", "zero"), "invalid choice: 'zero'")
+    # a refusal that needs the world's size, so it comes after the process group forms
+    assert_fails_with_one_line(script("scaling", "--sub-worlds", 2),
+                               "--sub-worlds 2: the world has only 1 rank")
 
 
 def test_flat_allreduce_times_give_no_fit_and_no_prediction(monkeypatch):
     """On NVLink small all-reduces take the same few microseconds whatever their size: the
     fit fails, and the lab says why instead of dying with the fitter's exception."""
-    monkeypatch.setattr(scaling.timing, "timed", lambda device, operation: 5e-6)
+    monkeypatch.setattr(scaling.timing, "timed", lambda device, operation, group=None: 5e-6)
     env = types.SimpleNamespace(world_size=8, device=torch.device("cpu"))
     alpha, beta, why = scaling.fit_link(env, 3)
     assert alpha is None and beta is None and "do not grow" in why

@@ -42,12 +42,15 @@ def apply_ddp(model, device, comm_hook=None, hook_state=None, **options):
     return wrapped
 
 
-def world_mesh(device):
-    """A 1-D DeviceMesh of the whole world on `device`'s type. FSDP2 and DTensor need one
-    named explicitly: without it they build theirs on CUDA whenever CUDA is available,
-    which on a GPU box that fell back to gloo puts every shard on cuda:0."""
+def world_mesh(device, group=None):
+    """A 1-D DeviceMesh of the whole world (or of `group`'s ranks) on `device`'s type.
+    FSDP2 and DTensor need one named explicitly: without it they build theirs on CUDA
+    whenever CUDA is available, which on a GPU box that fell back to gloo puts every shard
+    on cuda:0."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    if group is not None:
+        return DeviceMesh.from_group(group, device.type)
     return init_device_mesh(device.type, (dist.get_world_size(),))
 
 

@@ -32,12 +32,14 @@ def summary(times):
     return statistics.median(ordered), ordered[quartile - 1], ordered[-quartile]
 
 
-def compute_times(model, optimizer, loss_fn, inputs, targets, device, repeats, warmup=2):
+def compute_times(model, optimizer, loss_fn, inputs, targets, device, repeats, warmup=2,
+                  group=None):
     """Median seconds of forward, backward and optimizer step of `model`, with no
     communication at all: what one rank computes in a data-parallel step.
 
     Every rank runs it at the same time, so ranks that share cores or memory bandwidth
-    slow each other down here as they do in the real step. Returns a dict of medians.
+    slow each other down here as they do in the real step (every rank of `group`; None:
+    of the world). Returns a dict of medians.
     """
     phases = {"forward_s": [], "backward_s": [], "optimizer_s": []}
     state = {}
@@ -54,7 +56,7 @@ def compute_times(model, optimizer, loss_fn, inputs, targets, device, repeats, w
 
     for index in range(warmup + repeats):
         for name, phase in zip(phases, (forward, backward, step)):
-            elapsed = timed(device, phase)
+            elapsed = timed(device, phase, group)
             if index >= warmup:
                 phases[name].append(elapsed)
     return {name: statistics.median(times) for name, times in phases.items()}
