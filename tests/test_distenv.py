@@ -88,16 +88,10 @@ def test_reader_command_is_what_a_reader_types():
         "torchrun --standalone --nproc_per_node=4 labs/grad_averaging.py --steps 5"
 
 
-def test_two_agents_on_this_machine_rendezvous_as_two_nodes(capsys):
-    """nnodes=2 starts two torchrun agents that meet through a c10d rendezvous on a free
-    port of 127.0.0.1: torchrun's two-node launch, both "nodes" on this machine."""
-    result = run_lab("ranks", 1, nnodes=2)
-    assert (result["world_size"], result["local_world_size"], result["num_nodes"]) == (2, 1, 2)
-    assert [(r["rank"], r["group_rank"], r["local_rank"]) for r in result["ranks"]] == [
-        (0, 0, 0), (1, 1, 0)]
-    assert len({r["agent_pid"] for r in result["ranks"]}) == 2   # one agent per node
-    shown = capsys.readouterr().out
-    assert "# on each node:" in shown and "--nnodes=2 --nproc_per_node=1" in shown
+def test_the_two_node_command_is_what_each_node_types():
+    """The chapter on running at scale launches two torchrun agents on this machine
+    (run_lab(..., nnodes=2)), which meet through a c10d rendezvous on a free port as two
+    nodes, and asserts the ranks' layout; this is the line it shows for each node."""
     assert reader_command("ddp", 8, nnodes=2).startswith(
         "torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT")
 
