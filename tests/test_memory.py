@@ -1,8 +1,8 @@
 """The memory lab: predict against the ZeRO paper, measure against predict in torch's own
 DDP, ZeroRedundancyOptimizer and FSDP2. The chapter measures every strategy on real ranks
 at N = 1 and 4 and on simulated ones at N = 2, 3, 4, 8, 64 and 1024 (one process runs
-these and the world of one), and asserts each; here real ranks at N = 3 (odd), a simulated N = 16 alone, the
-calculator, and bad input."""
+these and the world of one), and asserts each; here real ranks at N = 3 (odd), a
+simulated N = 16 alone, the calculator, and bad input."""
 
 import json
 
