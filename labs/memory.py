@@ -162,6 +162,8 @@ def measure(args):
                 report(row, env)
                 measurements.append(row)
                 gc.collect()
+                gc.freeze()   # what survived (the optimizer's first step imports the
+                              # compiler) is not scanned again: see distenv.initialize
             if index == len(worlds) - 1:
                 extra = {}
                 if len(worlds) > 1:   # one process stood for several worlds
