@@ -17,7 +17,7 @@ Launch lines (from the repository root):
   one process:          python labs/grad_averaging.py
   GPU box, NCCL:        torchrun --standalone --nproc_per_node=8 labs/grad_averaging.py --out ga.json
   two nodes (run on each, HOST = node 0's address):
-    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
              --rdzv-id=grad_avg labs/grad_averaging.py --out ga.json
 
 JSON metrics: `variants` {name: {max_param_diff, expected_equal}}, `param_diff_by_step`

@@ -56,7 +56,8 @@ Launch lines (from the repository root):
 
 JSON: `dp`, `pp`, `cp`, `tp`, `data_parallel`, `shape`, `batch`, `microbatches`, `schedule`;
 `mesh` [{rank, dp, pp, cp, tp}]; `groups` {dp, pp, cp, tp: [[ranks]]}, checked against
-init_device_mesh's own groups (`groups_match_init_device_mesh`); `max_param_diff`;
+torch's own DeviceMesh's groups (`groups_match_init_device_mesh`: init_device_mesh for the
+first layout, a DeviceMesh on its block of ranks for each --then layout); `max_param_diff`;
 `state_bytes_per_rank` and `predicted_state_bytes_per_rank` [{params, grads, optimizer,
 total}, one per rank]; `comm_bytes_per_rank` and `predicted_comm_bytes_per_rank` {dp, pp,
 cp, tp: [bytes each rank sends in one step, one per rank]}; `first_rank` and `ranks`, where
@@ -327,6 +328,9 @@ def run(args, env, first_rank, device_mesh, everyone):
 
 
 def report(env, result):
+    last = result["first_rank"] + result["ranks"] - 1
+    env.print0(f"dp {result['dp']} x pp {result['pp']} x cp {result['cp']} x tp {result['tp']} "
+               f"({result['data_parallel']}), ranks {result['first_rank']} to {last}:")
     env.print0(f"{'rank':>4} {'dp':>3} {'pp':>3} {'cp':>3} {'tp':>3} {'state B':>8} "
                f"{'dp sent':>8} {'pp sent':>8} {'cp sent':>8} {'tp sent':>8}")
     for index, (entry, state) in enumerate(zip(result["mesh"], result["state_bytes_per_rank"])):
@@ -347,29 +351,31 @@ def ranks(count):
     return f"{count} rank" + ("" if count == 1 else "s")
 
 
-def check(args, world_size):
-    """Degrees that the world and the model can be split by, or one line saying why not."""
+def check(args, world_size, where=""):
+    """Degrees that the world and the model can be split by, or one line saying why not
+    (after `where`: which --then layout, for one of those)."""
+    fail = lambda message: distenv.fail(where + message)  # noqa: E731
     model_ranks = args.pp * args.cp * args.tp
     if args.dp is None:
         if world_size % model_ranks:
-            distenv.fail(f"a world of {ranks(world_size)} is not a multiple of --pp {args.pp} "
+            fail(f"a world of {ranks(world_size)} is not a multiple of --pp {args.pp} "
                          f"x --cp {args.cp} x --tp {args.tp}")
         args.dp = world_size // model_ranks
     if args.dp * model_ranks != world_size:
-        distenv.fail(f"--dp {args.dp} x --pp {args.pp} x --cp {args.cp} x --tp {args.tp} = "
+        fail(f"--dp {args.dp} x --pp {args.pp} x --cp {args.cp} x --tp {args.tp} = "
                      f"{args.dp * model_ranks}, but the world has {ranks(world_size)}")
     if args.cp > 1 and args.seq % (2 * args.cp):
-        distenv.fail(f"--seq {args.seq} does not cut into 2 x --cp {args.cp} equal chunks")
+        fail(f"--seq {args.seq} does not cut into 2 x --cp {args.cp} equal chunks")
     if args.cp > 1 and args.data_parallel == "fsdp":
-        distenv.fail("--cp with --data-parallel fsdp is not built here: FSDP2 would shard "
+        fail("--cp with --data-parallel fsdp is not built here: FSDP2 would shard "
                      "over dp x cp; use ddp")
     for what, value in (("--heads", args.heads), ("--vocab", args.vocab)):
         if value % args.tp:
-            distenv.fail(f"{what} {value} does not split over --tp {args.tp}")
+            fail(f"{what} {value} does not split over --tp {args.tp}")
     if args.layers < args.pp:
-        distenv.fail(f"--layers {args.layers} cannot give each of --pp {args.pp} stages a layer")
+        fail(f"--layers {args.layers} cannot give each of --pp {args.pp} stages a layer")
     if args.batch % (args.dp * args.microbatches):
-        distenv.fail(f"--batch {args.batch} does not divide into --dp {args.dp} x "
+        fail(f"--batch {args.batch} does not divide into --dp {args.dp} x "
                      f"--microbatches {args.microbatches} equal micro-batches")
 
 
@@ -379,12 +385,12 @@ LAYOUT_KEYS = ("dp", "pp", "cp", "tp", "data-parallel")
 def layout(text):
     """argparse type of a --then layout: 'dp=2,tp=2,data-parallel=fsdp' -> {key: value};
     a degree left out is 1, data parallelism ddp."""
-    values = {"dp": 1, "pp": 1, "cp": 1, "tp": 1, "data-parallel": "ddp"}
+    values = {"dp": 1, "pp": 1, "cp": 1, "tp": 1, "data-parallel": "ddp", "text": text}
     for item in text.split(","):
         key, _, value = item.partition("=")
         if key not in LAYOUT_KEYS:
             raise distenv.argparse.ArgumentTypeError(
-                f"{item!r}: a layout is key=value pairs with keys {', '.join(LAYOUT_KEYS)}")
+                f"{item}: a layout is key=value pairs with keys {', '.join(LAYOUT_KEYS)}")
         if key == "data-parallel":
             if value not in ("ddp", "fsdp"):
                 raise distenv.argparse.ArgumentTypeError(f"data-parallel={value}: ddp or fsdp")
@@ -397,17 +403,17 @@ def layout(text):
 
 
 def layouts(args, world_size):
-    """The main layout (args), then each --then layout: a copy of args with its degrees, all
-    checked (one line saying why not)."""
+    """The main layout (args), then each --then layout: a copy of args with its degrees,
+    each checked (one line saying why not), and all of them within the world."""
     result = [args]
     for then in args.then:
         one = copy.copy(args)
         one.dp, one.pp, one.cp, one.tp = then["dp"], then["pp"], then["cp"], then["tp"]
         one.data_parallel, one.then = then["data-parallel"], []
-        check(one, layout_size(one))
+        check(one, layout_size(one), where=f"--then {then['text']}: ")
         result.append(one)
     side_by_side = sum(layout_size(one) for one in result[1:])
-    if side_by_side > world_size:
+    if world_size is not None and side_by_side > world_size:
         distenv.fail(f"the --then layouts run side by side on {ranks(side_by_side)}, "
                      f"but the world has {ranks(world_size)}")
     return result
@@ -438,6 +444,7 @@ def parse_args(argv=None):
     add_shape_args(parser, SHAPE)
     args = parser.parse_args(None if argv is None else [str(a) for a in argv])
     shape_from_args(args)
+    layouts(args, None)   # each --then layout on its own, before any process starts a group
     return args
 
 
@@ -447,6 +454,7 @@ def main():
         check(args, env.world_size)
         plan = layouts(args, env.world_size)
         meshes = device_meshes(plan, env)
+        done = dist.new_group(backend="gloo", timeout=distenv.SUB_WORLD_WAIT)
         for index, (one, (first, _, _)) in enumerate(zip(plan, meshes)):
             env.print0(f"mesh dp {one.dp} x pp {one.pp} x cp {one.cp} x tp {one.tp} "
                        f"({env.backend}, {one.data_parallel}), {one.microbatches} micro-batches"
@@ -461,7 +469,9 @@ def main():
                 results.append(run(one, env, first, device_mesh, everyone))
             except TimeoutError as error:
                 distenv.fail(str(error), every_rank=True)   # each stage says what it waited for
-        # the first rank of each side-by-side layout brings its result to rank 0
+        # a rank done early (or past the last block) waits asleep for the others, then the
+        # first rank of each side-by-side layout brings its result to rank 0
+        distenv.sub_worlds_done(done)
         gathered = [None] * env.world_size
         dist.all_gather_object(gathered, results[1:] if env.rank in
                                [first for first, _, _ in meshes[1:]] else [])

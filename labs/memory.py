@@ -17,21 +17,21 @@
 
 Launch lines (from the repository root):
   the ZeRO paper's example:  python labs/memory.py predict --params 7.5B --gpus 64
-  from a model shape:        python labs/memory.py predict --layers 32 --hidden 4096 \
+  from a model shape:        python labs/memory.py predict --layers 32 --hidden 4096 \\
                                --heads 32 --seq 2048 --batch 1 --vocab 32000 --gpus 8
-  GPT-2 (tied head):         python labs/memory.py predict --layers 12 --hidden 768 \
+  GPT-2 (tied head):         python labs/memory.py predict --layers 12 --hidden 768 \\
                                --heads 12 --seq 1024 --vocab 50257 --tie-embeddings
-  3-D, 70B on 8 x 4 x 8:     python labs/memory.py predict --layers 80 --hidden 8192 \
-                               --heads 64 --seq 4096 --vocab 128256 --gpus 8 --pp 4 --tp 8 \
+  3-D, 70B on 8 x 4 x 8:     python labs/memory.py predict --layers 80 --hidden 8192 \\
+                               --heads 64 --seq 4096 --vocab 128256 --gpus 8 --pp 4 --tp 8 \\
                                --microbatches 16 --sequence-parallel
-  laptop, gloo on CPU:       torchrun --standalone --nproc_per_node=4 labs/memory.py \
+  laptop, gloo on CPU:       torchrun --standalone --nproc_per_node=4 labs/memory.py \\
                                measure --strategy all --out mem.json
-  rank 0 of 1024, simulated: python labs/memory.py measure --strategy zero3 \
+  rank 0 of 1024, simulated: python labs/memory.py measure --strategy zero3 \\
                                --simulate-world-size 1024 --out mem.json
-  GPU box, NCCL:             torchrun --standalone --nproc_per_node=8 labs/memory.py \
+  GPU box, NCCL:             torchrun --standalone --nproc_per_node=8 labs/memory.py \\
                                measure --strategy zero3 --out mem.json
   two nodes (run on each, HOST = node 0's address):
-    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
              --rdzv-id=memory labs/memory.py measure --strategy zero3 --out mem.json
 
 predict --json prints {strategy: {params, grads, optimizer, total}} in bytes (from a model

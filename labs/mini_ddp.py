@@ -22,11 +22,11 @@ a transfer over a real network hides behind GPU compute; D = 1 is a 1 GB/s link.
 
 Launch lines (from the repository root):
   laptop, gloo on CPU:   torchrun --standalone --nproc_per_node=2 labs/mini_ddp.py
-  with a slow link:      torchrun --standalone --nproc_per_node=2 labs/mini_ddp.py \
+  with a slow link:      torchrun --standalone --nproc_per_node=2 labs/mini_ddp.py \\
                            --comm-delay-ns-per-byte 5
   GPU box, NCCL:         torchrun --standalone --nproc_per_node=8 labs/mini_ddp.py --out ddp.json
   two nodes (run on each, HOST = node 0's address):
-    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
              --rdzv-id=mini_ddp labs/mini_ddp.py --out ddp.json
 
 JSON: `links` [{comm_delay_ns_per_byte, variants {name: {step_time_s (median),

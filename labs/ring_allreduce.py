@@ -13,18 +13,18 @@ while the next ones are still on the wire.
   --sizes LIST    a timing sweep, e.g. 4K,64K,1M,16M (bytes; K/M/G = 2^10/2^20/2^30),
                   ring and dist.all_reduce alternating, --repeats timed samples per size,
                   each sample the operation repeated back to back for about 20 ms
-  --sub-worlds LIST  then the same again on the first k ranks alone, for each k (e.g. 2):
-                  a world of k inside this launch, on its own process group, while the
-                  other ranks wait
+  --sub-worlds LIST  then the same again on the first k ranks alone, for each k (e.g. 2),
+                  largest first: a world of k inside this launch, on its own process
+                  group, while the other ranks wait (asleep in a gloo barrier)
 
 Launch lines (from the repository root):
   laptop, gloo on CPU:  torchrun --standalone --nproc_per_node=4 labs/ring_allreduce.py --sizes 4K,1M,16M
-  N = 4, then N = 2:    torchrun --standalone --nproc_per_node=4 labs/ring_allreduce.py \
+  N = 4, then N = 2:    torchrun --standalone --nproc_per_node=4 labs/ring_allreduce.py \\
                           --sizes 4K,1M,16M --sub-worlds 2
   one process:          python labs/ring_allreduce.py --numel 1000
   GPU box, NCCL:        torchrun --standalone --nproc_per_node=8 labs/ring_allreduce.py --sizes 1M,64M,1G
   two nodes (run on each, HOST = node 0's address):
-    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
              --rdzv-id=ring labs/ring_allreduce.py --sizes 1M,64M,1G --out ring.json
 
 JSON metrics: correctness [{numel, max_abs_err, bytes_sent_per_rank (counted on rank 0),
@@ -32,7 +32,7 @@ predicted_bytes_per_rank, bytes_sent_by_rank, predicted_bytes_by_rank}], one per
 and with --sizes: sweep [{bytes, iterations (per sample), ring_time_s, library_time_s (per
 operation, median), ring_busbw_gbps, library_busbw_gbps, ...}], alpha_s, beta_bytes_per_s
 (fitted to the library); sub_worlds [{world_size, correctness, and with --sizes sweep,
-alpha_s, beta_bytes_per_s}], one per --sub-worlds size.
+alpha_s, beta_bytes_per_s}], one per --sub-worlds size, largest first.
 """
 
 import itertools
@@ -305,18 +305,11 @@ def measure(env, args, group=None):
 def main():
     args = parse_args()
     with distenv.initialize(args) as env:
-        too_big = [k for k in args.sub_worlds if k > env.world_size]
-        if too_big:
-            distenv.fail(f"--sub-worlds {too_big[0]}: the world has only {env.world_size} "
-                         f"rank{'s' * (env.world_size > 1)}")
-        # every rank creates every group (creating one takes the whole world), then waits
-        # for the sub-worlds it is not in
-        groups = {k: dist.new_group(list(range(k))) for k in args.sub_worlds}
+        groups, done = distenv.sub_worlds(env, args.sub_worlds)
         metrics = measure(env, args)
-        metrics["sub_worlds"] = []
-        for k, group in groups.items():
-            result = measure(env, args, group) if env.rank < k else None
-            metrics["sub_worlds"].append(dict(result or {}, world_size=k))
+        metrics["sub_worlds"] = [dict(measure(env, args, group) if env.rank < k else {},
+                                      world_size=k) for k, group in groups.items()]
+        distenv.sub_worlds_done(done)
         env.write_result(args, metrics)
 
 

@@ -9,9 +9,9 @@ taken apart into compute and communication, and set against the step-time model.
   --scaling weak    --batch sequences on every rank: the total grows with N
 Both options take a comma-separated list (or all): every combination runs in the same
 launch, one after another, and the link is fitted once for all of them.
-  --sub-worlds LIST  then all of it again on the first k ranks alone, for each k (e.g. 1,2):
-                  a world of k inside this launch, on its own process group, while the
-                  other ranks wait
+  --sub-worlds LIST  then all of it again on the first k ranks alone, for each k (e.g. 2,1),
+                  largest first: a world of k inside this launch, on its own process
+                  group, while the other ranks wait (asleep in a gloo barrier)
 
 Measured, all ranks at once, each time the slowest rank's:
   step_time_s      median of --steps timed steps after --warmup (spread: the quartiles)
@@ -28,14 +28,14 @@ FSDP is modelled without overlap.
 
 Launch lines (from the repository root):
   one process:           python labs/scaling.py --strategy ddp --scaling strong
-  N = 3, then 1 and 2:   torchrun --standalone --nproc_per_node=3 labs/scaling.py \
-                           --strategy all --scaling all --sub-worlds 1,2
-  laptop, gloo on CPU:   torchrun --standalone --nproc_per_node=2 labs/scaling.py \
+  N = 3, then 2 and 1:   torchrun --standalone --nproc_per_node=3 labs/scaling.py \\
+                           --strategy all --scaling all --sub-worlds 2,1
+  laptop, gloo on CPU:   torchrun --standalone --nproc_per_node=2 labs/scaling.py \\
                            --strategy ddp --scaling strong --out s2.json
-  GPU box, NCCL:         torchrun --standalone --nproc_per_node=8 labs/scaling.py \
+  GPU box, NCCL:         torchrun --standalone --nproc_per_node=8 labs/scaling.py \\
                            --strategy fsdp --scaling weak --batch 8 --out s8.json
   two nodes (run on each, HOST = node 0's address):
-    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
              --rdzv-id=scaling labs/scaling.py --strategy ddp --scaling weak --out s16.json
 
 JSON: alpha_s, beta_bytes_per_s (null, and link_fit_error says why, when all-reduce times do
@@ -44,7 +44,8 @@ not grow with size, as on NVLink at these sizes; predictions are then null), par
 step_time_quartiles_s, samples_per_s, compute_time_s (and forward_, backward_,
 optimizer_time_s), comm_time_s, predicted_step_time_s, predicted_comm_time_s,
 model_overlap, collectives [{op, bytes}], batch_per_rank, global_batch}]; sub_worlds
-[{world_size, alpha_s, beta_bytes_per_s, link_fit_error, runs}], one per --sub-worlds size.
+[{world_size, alpha_s, beta_bytes_per_s, link_fit_error, runs}], one per --sub-worlds size,
+largest first.
 """
 
 import copy
@@ -241,18 +242,13 @@ def measure_all(args, env, group=None):
 def main():
     args = parse_args()
     with distenv.initialize(args) as env:
-        for size in [env.world_size, *args.sub_worlds]:
+        groups, done = distenv.sub_worlds(env, args.sub_worlds)
+        for size in [env.world_size, *groups]:
             check_batch(args, size)
-        too_big = [k for k in args.sub_worlds if k > env.world_size]
-        if too_big:
-            distenv.fail(f"--sub-worlds {too_big[0]}: the world has only {env.world_size} "
-                         f"rank{'s' * (env.world_size > 1)}")
-        # every rank creates every group (creating one takes the whole world), then waits
-        # for the sub-worlds it is not in
-        groups = {k: dist.new_group(list(range(k))) for k in args.sub_worlds}
         result = measure_all(args, env)
         result["sub_worlds"] = [dict(measure_all(args, env, group) if env.rank < k else {},
                                      world_size=k) for k, group in groups.items()]
+        distenv.sub_worlds_done(done)
         env.write_result(args, {
             "param_count": sum(p.numel() for p in Transformer(SHAPE).parameters()), **result})
 

@@ -1,7 +1,9 @@
 """The lab contract (labkit.distenv) and the launcher: backend choice, parser types, seeds,
 timeouts, one-line errors."""
 
+import ast
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ import yaml
 import ranks
 from conftest import assert_fails_with_one_line
 from labkit import distenv, launch
+from labkit.launch import LABS_DIR as LABS
 from labkit.launch import LabError, free_port, reader_command, run_lab
 
 
@@ -198,3 +201,13 @@ def test_one_rule_derives_every_seed():
     assert all(0 <= s < 2 ** 63 for s in seeds)
     a, b = distenv.generator(7, "x"), distenv.generator(7, "x")
     assert torch.equal(torch.randn(4, generator=a), torch.randn(4, generator=b))
+
+
+def test_each_labs_continued_launch_line_keeps_its_backslash():
+    """A launch line split over two lines ends in a backslash, which the docstring (the
+    lab's --help) must keep: written once, Python joins the two lines into one."""
+    for path in sorted(LABS.glob("*.py")):
+        module = ast.parse(path.read_text())
+        end = module.body[0].end_lineno if ast.get_docstring(module) else 0
+        for number, line in enumerate(path.read_text().splitlines()[:end], 1):
+            assert not re.search(r"(?<!\\)\\$", line), f"{path.name}:{number}"

@@ -260,6 +260,34 @@ def max_param_diff(params, reference, device):
     return worst.item()
 
 
+# How long a rank left out of a lab's sub-worlds waits for them. Never what ends a run: a
+# rank that fails or stops answering in a sub-world ends it at its own --timeout, and
+# torchrun then stops every rank.
+SUB_WORLD_WAIT = datetime.timedelta(hours=1)
+
+
+def sub_worlds(env, sizes):
+    """The process groups of a lab's --sub-worlds: ({k: the group of ranks 0 to k-1}, largest
+    k first, and the group sub_worlds_done waits on). Largest first: a rank left out of one
+    sub-world is left out of every later one, so it only ever waits at the end. Refuses a k
+    larger than the world in one line. Every rank creates every group, in the same order,
+    since creating one takes the whole world."""
+    too_big = [k for k in sizes if k > env.world_size]
+    if too_big:
+        fail(f"--sub-worlds {too_big[0]}: the world has only {env.world_size} "
+             f"rank{'s' * (env.world_size > 1)}")
+    groups = {k: dist.new_group(list(range(k))) for k in sorted(set(sizes), reverse=True)}
+    return groups, dist.new_group(backend="gloo", timeout=SUB_WORLD_WAIT)
+
+
+def sub_worlds_done(done):
+    """Every rank waits here until the last sub-world is measured. A rank left out must not
+    exit before: its shutdown, a second of CPU, would land in the others' measurement. A
+    gloo barrier sleeps in its receive (an NCCL one would spin a core, and its watchdog
+    would end the wait at --timeout)."""
+    dist.barrier(group=done)
+
+
 def _init_fake_group(world_size, timeout):
     """Rank 0 of a world of `world_size` in this one process: torch's fake process group.
 

@@ -2,7 +2,8 @@
 pattern of torchtitan's parallelize_* functions).
 
   apply_ddp       DistributedDataParallel, on the rank's own GPU when there is one
-  world_mesh      the 1-D device mesh of the whole world, on the lab's device type
+  world_mesh      the 1-D device mesh of the whole world (or of one group), on the lab's
+                  device type
   apply_fsdp      FSDP2: fully_shard on every unit (embedding, each block, head), then the root
   apply_fsdp_unit FSDP2 on one module as one unit, over a given mesh (a pipeline stage)
   apply_tp        torch's tensor parallelism (DTensor) on every block, with or without
