@@ -454,7 +454,7 @@ def main():
         check(args, env.world_size)
         plan = layouts(args, env.world_size)
         meshes = device_meshes(plan, env)
-        done = dist.new_group(backend="gloo", timeout=distenv.SUB_WORLD_WAIT)
+        done = distenv.waiting_group()
         for index, (one, (first, _, _)) in enumerate(zip(plan, meshes)):
             env.print0(f"mesh dp {one.dp} x pp {one.pp} x cp {one.cp} x tp {one.tp} "
                        f"({env.backend}, {one.data_parallel}), {one.microbatches} micro-batches"
@@ -471,7 +471,7 @@ def main():
                 distenv.fail(str(error), every_rank=True)   # each stage says what it waited for
         # a rank done early (or past the last block) waits asleep for the others, then the
         # first rank of each side-by-side layout brings its result to rank 0
-        distenv.sub_worlds_done(done)
+        distenv.wait_for_all(done)
         gathered = [None] * env.world_size
         dist.all_gather_object(gathered, results[1:] if env.rank in
                                [first for first, _, _ in meshes[1:]] else [])

@@ -309,7 +309,7 @@ def main():
         metrics = measure(env, args)
         metrics["sub_worlds"] = [dict(measure(env, args, group) if env.rank < k else {},
                                       world_size=k) for k, group in groups.items()]
-        distenv.sub_worlds_done(done)
+        distenv.wait_for_all(done)
         env.write_result(args, metrics)
 
 

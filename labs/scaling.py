@@ -248,7 +248,7 @@ def main():
         result = measure_all(args, env)
         result["sub_worlds"] = [dict(measure_all(args, env, group) if env.rank < k else {},
                                      world_size=k) for k, group in groups.items()]
-        distenv.sub_worlds_done(done)
+        distenv.wait_for_all(done)
         env.write_result(args, {
             "param_count": sum(p.numel() for p in Transformer(SHAPE).parameters()), **result})
 

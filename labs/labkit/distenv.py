@@ -260,15 +260,29 @@ def max_param_diff(params, reference, device):
     return worst.item()
 
 
-# How long a rank left out of a lab's sub-worlds waits for them. Never what ends a run: a
-# rank that fails or stops answering in a sub-world ends it at its own --timeout, and
-# torchrun then stops every rank.
-SUB_WORLD_WAIT = datetime.timedelta(hours=1)
+# How long a rank done early (left out of a lab's sub-worlds, or of its side-by-side
+# layouts) waits for the others. Never what ends a run: a rank that fails or stops
+# answering ends it at its own --timeout, and torchrun then stops every rank.
+WAIT_FOR_ALL = datetime.timedelta(hours=1)
+
+
+def waiting_group():
+    """A gloo group of the whole world for wait_for_all. Every rank creates it, in the same
+    place among the lab's other groups."""
+    return dist.new_group(backend="gloo", timeout=WAIT_FOR_ALL)
+
+
+def wait_for_all(group):
+    """Every rank waits here (on a waiting_group) until the last one is done. A rank done
+    early must not exit before: its shutdown, a second of CPU, would land in the others'
+    measurement. A gloo barrier sleeps in its receive (an NCCL one would spin a core, and
+    its watchdog would end the wait at --timeout)."""
+    dist.barrier(group=group)
 
 
 def sub_worlds(env, sizes):
     """The process groups of a lab's --sub-worlds: ({k: the group of ranks 0 to k-1}, largest
-    k first, and the group sub_worlds_done waits on). Largest first: a rank left out of one
+    k first, and the waiting_group of wait_for_all). Largest first: a rank left out of one
     sub-world is left out of every later one, so it only ever waits at the end. Refuses a k
     larger than the world in one line. Every rank creates every group, in the same order,
     since creating one takes the whole world."""
@@ -277,15 +291,7 @@ def sub_worlds(env, sizes):
         fail(f"--sub-worlds {too_big[0]}: the world has only {env.world_size} "
              f"rank{'s' * (env.world_size > 1)}")
     groups = {k: dist.new_group(list(range(k))) for k in sorted(set(sizes), reverse=True)}
-    return groups, dist.new_group(backend="gloo", timeout=SUB_WORLD_WAIT)
-
-
-def sub_worlds_done(done):
-    """Every rank waits here until the last sub-world is measured. A rank left out must not
-    exit before: its shutdown, a second of CPU, would land in the others' measurement. A
-    gloo barrier sleeps in its receive (an NCCL one would spin a core, and its watchdog
-    would end the wait at --timeout)."""
-    dist.barrier(group=done)
+    return groups, waiting_group()
 
 
 def _init_fake_group(world_size, timeout):
