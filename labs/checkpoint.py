@@ -20,7 +20,9 @@ Launch lines (from the repository root):
                           save --dir ckpt --steps 3 --out save.json
                         torchrun --standalone --nproc_per_node=2 labs/checkpoint.py \\
                           resume --dir ckpt --steps 3 --out resume.json
-  GPU box, NCCL:        the same with --nproc_per_node=8, then 4
+  GPU box, NCCL:        the same with --nproc_per_node=6 (12 sequences split over 6), then 4
+  in the FSDP lab's launch: labs/fsdp.py --checkpoint-dir ckpt runs the save phase after
+                        its own comparison, in the same processes
   two nodes: run each phase on both nodes with --nnodes=2 --rdzv-backend=c10d
              --rdzv-endpoint=HOST:29500 --rdzv-id=ckpt; --dir must be a shared file system
 

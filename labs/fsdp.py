@@ -27,6 +27,9 @@ Launch lines (from the repository root):
   one process:           python labs/fsdp.py
   laptop, gloo on CPU:   torchrun --standalone --nproc_per_node=3 labs/fsdp.py --out f3.json
   GPU box, NCCL:         torchrun --standalone --nproc_per_node=8 labs/fsdp.py --out f8.json
+  and a checkpoint:      torchrun --standalone --nproc_per_node=4 labs/fsdp.py \\
+                           --checkpoint-dir ckpt --out f4.json
+                         python labs/checkpoint.py resume --dir ckpt --out resume.json
   two nodes (run on each, HOST = node 0's address):
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
              --rdzv-id=fsdp labs/fsdp.py --out f16.json
@@ -35,10 +38,14 @@ JSON: max_param_diff {scratch_vs_ddp, fully_shard_vs_ddp}; comm_bytes_per_rank a
 predicted_comm_bytes_per_rank {ddp, zero3}; memory_timeline {ddp, zero3: {events [{phase,
 unit, point, param_bytes, grad_bytes}], peak_bytes, predicted_events, predicted_peak_bytes}};
 state_bytes_per_rank and predicted_state_bytes_per_rank {ddp, zero3: {params, grads,
-optimizer, total}}; param_count, padded_param_count, unit_param_counts, unit_padded_counts.
+optimizer, total}}; param_count, padded_param_count, unit_param_counts, unit_padded_counts;
+with --checkpoint-dir, checkpoint: what `checkpoint.py save` reports (its step,
+checkpoint_bytes, full_export_bytes, param_count).
 """
 
+import argparse
 import copy
+from pathlib import Path
 
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -299,12 +306,18 @@ def parse_args(argv=None):
     parser = distenv.lab_parser(__doc__)
     parser.add_argument("--steps", type=distenv.positive_int, default=SETUP.steps,
                         help="training steps of each implementation (the last one is measured)")
+    parser.add_argument("--checkpoint-dir", type=Path, default=None, metavar="DIR",
+                        help="then run labs/checkpoint.py's save phase into DIR, in the same "
+                             "processes (a launch fewer before `checkpoint.py resume`)")
     return parser.parse_args(argv)
 
 
 def main():
     args = parse_args()
     with distenv.initialize(args) as env:
+        if args.checkpoint_dir:
+            import checkpoint   # labs/checkpoint.py, and DCP with it, only when asked for
+            checkpoint.check_world_size(env.world_size)   # before the comparison, not after
         metrics = run(args, env)
         diff, sent = metrics["max_param_diff"], metrics["comm_bytes_per_rank"]
         predicted = metrics["predicted_comm_bytes_per_rank"]
@@ -317,6 +330,12 @@ def main():
             env.print0(f"{name:>5}: sent {sent[name]:,} B/step (predicted {predicted[name]:,})")
             env.print0(f"       peak params+grads {timeline['peak_bytes']:,} B (predicted "
                        f"{timeline['predicted_peak_bytes']:,}), state {state[name]['total']:,} B")
+        if args.checkpoint_dir:
+            saving = argparse.Namespace(dir=args.checkpoint_dir, steps=checkpoint.STEPS,
+                                        seed=args.seed)
+            metrics["checkpoint"] = checkpoint.save(saving, env)
+            env.print0(f"checkpoint.py save: step {metrics['checkpoint']['step']} in "
+                       f"{args.checkpoint_dir} ({metrics['checkpoint']['checkpoint_bytes']:,} B)")
         env.write_result(args, metrics)
 
 

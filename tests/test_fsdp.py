@@ -4,6 +4,7 @@ N = 4 and asserts the same (fsdp.md, hidden cells); here N = 1, 2 and 3, by hand
 
 import pytest
 
+import checkpoint
 import fsdp
 from conftest import assert_fails_with_one_line, assert_refused
 from labkit import memory_model
@@ -58,9 +59,19 @@ def test_bad_steps_is_refused_in_one_line(script):
     assert_fails_with_one_line(script("fsdp", "--steps", 0), "--steps must be at least 1")
 
 
+
 @pytest.mark.parametrize("n", [2, 3])
-def test_real_ranks_match_ddp_and_the_predictions_by_hand(n):
-    result = run_lab("fsdp", n, ["--steps", 3], echo=False)
+def test_real_ranks_match_ddp_and_the_predictions_by_hand(n, tmp_path):
+    # at N = 3 the same launch also saves the checkpoint lab's checkpoint (--checkpoint-dir)
+    saving = ["--checkpoint-dir", tmp_path / "ckpt"] if n == 3 else []
+    result = run_lab("fsdp", n, ["--steps", 3, *saving], echo=False)
+    if saving:
+        saved = result["checkpoint"]
+        assert saved["step"] == checkpoint.STEPS and saved["param_count"] == result["param_count"]
+        assert len(list((tmp_path / "ckpt").glob("*.distcp"))) == n   # a file per rank
+        assert (tmp_path / "ckpt" / checkpoint.FULL_EXPORT).is_file()
+    else:
+        assert "checkpoint" not in result
     psi, padded = result["param_count"], result["padded_param_count"]
     assert result["world_size"] == n
     assert max(result["max_param_diff"].values()) <= 1e-5
