@@ -59,7 +59,6 @@ def test_bad_steps_is_refused_in_one_line(script):
     assert_fails_with_one_line(script("fsdp", "--steps", 0), "--steps must be at least 1")
 
 
-
 @pytest.mark.parametrize("n", [2, 3])
 def test_real_ranks_match_ddp_and_the_predictions_by_hand(n, tmp_path):
     # at N = 3 the same launch also saves the checkpoint lab's checkpoint (--checkpoint-dir)
