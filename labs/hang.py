@@ -10,6 +10,8 @@ Every rank runs --steps steps of all-reduces; in step --at-step, rank --rank bre
 
 None of them may hang. The process group's --timeout ends each wait, and every rank then
 says in one line which all-reduce it was in, how long it waited, and what it was told.
+What each rank issues is labkit/hang_model.py's lab_program, from which the same model
+predicts where each rank ends and after how long (where_ranks_wait).
 --dump-stacks-after S makes every rank print the stack of every thread after S seconds
 (faulthandler.dump_traceback_later; rank r 0.3 r s later, so that the dumps do not mix),
 which is how a stuck job shows where it is stuck;
@@ -37,9 +39,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from labkit import distenv
+from labkit import distenv, hang_model
 
-MODES = ("none", "skip_collective", "wrong_shape", "sleep")
+MODES = hang_model.MODES
 STEPS = 5
 NUMEL = 4
 # --dump-stacks-after: rank r dumps this much later than rank r - 1, so that the ranks'
@@ -47,18 +49,16 @@ NUMEL = 4
 DUMP_STAGGER_S = 0.3
 
 
-def step_collective(step, args, env):
-    """One step's all-reduce, broken on one rank as the mode says."""
-    breaking = step == args.at_step and env.rank == args.rank
-    if breaking and args.mode == "skip_collective":
+def issue(call, env):
+    """One collective of the rank's program (hang_model.lab_program): the all-reduce, its
+    sums checked, or the barrier."""
+    if call.op == "barrier":
+        dist.barrier()
         return
-    if breaking and args.mode == "sleep":
-        time.sleep(args.timeout + 2)
-    numel = NUMEL + 1 if breaking and args.mode == "wrong_shape" else NUMEL
-    summed = torch.ones(numel, device=env.device)
+    summed = torch.ones(call.numel, device=env.device)
     dist.all_reduce(summed)
     if not bool((summed == env.world_size).all()):
-        # gloo does not compare shapes: ranks that disagree get wrong sums, silently
+        # gloo does not compare shapes: ranks that disagree may get wrong sums, silently
         raise RuntimeError(f"the sums are wrong ({summed.tolist()}, not {env.world_size} "
                            f"each): the ranks disagreed about the tensor; "
                            f"TORCH_DISTRIBUTED_DEBUG=DETAIL checks shapes before sending")
@@ -78,13 +78,20 @@ def guarded(what, collective, env):
                      f"{time.perf_counter() - started:.1f} s: {told}", every_rank=True)
 
 
+def program(args, rank):
+    """The collectives this rank issues, in order: the cost model's, which predicts from
+    them where each rank waits (hang_model.where_ranks_wait)."""
+    return hang_model.lab_program(args.mode, rank, args.steps, args.at_step, args.rank,
+                                  NUMEL, args.timeout)
+
+
 def run(args, env):
     if args.dump_stacks_after is not None:
         faulthandler.dump_traceback_later(args.dump_stacks_after + DUMP_STAGGER_S * env.rank,
                                           exit=False)
-    for step in range(args.steps):
-        guarded(f"the all-reduce of step {step}", lambda: step_collective(step, args, env), env)
-    guarded("the final barrier", dist.barrier, env)
+    for call in program(args, env.rank):
+        time.sleep(call.late_s)   # outside any collective, as a slow rank would be
+        guarded(call.label, lambda: issue(call, env), env)
     faulthandler.cancel_dump_traceback_later()
     return {"steps": args.steps, "mode": args.mode}
 

@@ -1,21 +1,93 @@
-"""Ranks out of step. The chapter on running at scale (at_scale.md) runs the four
-desynchronisations on 2 ranks and asserts, in a hidden cell, that each ends within the
-group's timeout with a message, never a hang: the skipped all-reduce with every thread's
-stack, the wrong shape in gloo's words, TORCH_DISTRIBUTED_DEBUG=DETAIL naming the
-mismatched op and shapes, the sleeping rank given up on. Here the run where no rank breaks
+"""Ranks out of step. The chapter on hangs (hangs.md) runs the four desynchronisations on
+2 ranks and asserts, in hidden cells, that each ends where the cost model predicts
+(labkit/hang_model.py), within the group's timeout, with a message, never a hang: the
+skipped all-reduce with every thread's stack, the wrong shape in gloo's words,
+TORCH_DISTRIBUTED_DEBUG=DETAIL naming the mismatched op and shapes, the sleeping rank given
+up on. Here the model by hand, the lab against it on 3 ranks, the run where no rank breaks
 step, and bad input."""
+
+import json
+import re
 
 import pytest
 
 import hang
 from conftest import assert_fails_with_one_line, assert_refused
-from labkit.launch import run_lab
+from labkit import hang_model
+from labkit.hang_model import BACKEND, NAMED, TIMEOUT, Collective, Wait
+from labkit.launch import LabError, run_lab
 
-TIMEOUT = 2
+T = 2.0
 
 
-def test_in_step_it_runs_clean():
-    result = run_lab("hang", 2, ["--mode", "none", "--timeout", TIMEOUT], echo=False)
+def programs(mode, world, breaking_rank=1, steps=5, at_step=2):
+    return [hang_model.lab_program(mode, r, steps, at_step, breaking_rank, 4, T)
+            for r in range(world)]
+
+
+def test_a_skipped_collective_shifts_the_order_until_the_operations_differ():
+    # rank 1's all-reduces of steps 3 and 4 meet rank 0's of steps 2 and 3, silently; then
+    # rank 0's last all-reduce meets rank 1's barrier, and neither completes
+    assert hang_model.where_ranks_wait(programs("skip_collective", 2), T) == {
+        0: Wait("the all-reduce of step 4", T, TIMEOUT), 1: Wait("the final barrier", T, TIMEOUT)}
+    waits = hang_model.where_ranks_wait(programs("skip_collective", 3, breaking_rank=2), T)
+    assert [waits[r].label for r in range(3)] == ["the all-reduce of step 4"] * 2 + [
+        "the final barrier"]
+    # DETAIL compares the operations first: named at once, at the same place
+    assert hang_model.where_ranks_wait(programs("skip_collective", 2), T, checked=True) == {
+        0: Wait("the all-reduce of step 4", 0.0, NAMED), 1: Wait("the final barrier", 0.0, NAMED)}
+
+
+def test_one_collective_too_many_is_a_skip_seen_from_the_other_side():
+    # a metric all-reduced on rank 0 alone, after step 1: rank 0 is one call ahead
+    steps = [Collective(f"step {s}", "all_reduce", 4) for s in range(3)]
+    extra = Collective("the metric", "all_reduce", 1)
+    barrier = Collective("the barrier", "barrier")
+    rank0 = steps[:2] + [extra] + steps[2:] + [barrier]
+    waits = hang_model.where_ranks_wait([rank0, steps + [barrier]], T)
+    # the metric (1 element) meets rank 1's step 2 (4 elements): the sizes differ there
+    assert waits == {0: Wait("the metric", None, BACKEND), 1: Wait("step 2", None, BACKEND)}
+
+
+def test_a_late_rank_is_waited_for_up_to_the_timeout_and_then_given_up_on():
+    assert hang_model.where_ranks_wait(programs("sleep", 3), T) == {
+        0: Wait("the all-reduce of step 2", T, TIMEOUT),
+        2: Wait("the all-reduce of step 2", T, TIMEOUT)}   # rank 1 says nothing
+    slow = [[Collective("step 0", "all_reduce", 4, late_s=late)] for late in (0.0, T - 0.5)]
+    assert hang_model.where_ranks_wait(slow, T) == {}    # late, but within the timeout
+    # lateness adds up over the steps only through the slowest rank: the others wait for it
+    drift = [[Collective(f"step {s}", "all_reduce", 4, late_s=0.9 * T * (r == s))
+              for s in range(3)] for r in range(3)]
+    assert hang_model.where_ranks_wait(drift, T) == {}
+
+
+def test_a_shape_mismatch_is_up_to_the_backend_unless_checked():
+    assert hang_model.where_ranks_wait(programs("wrong_shape", 2), T) == {
+        r: Wait("the all-reduce of step 2", None, BACKEND) for r in range(2)}
+    assert hang_model.where_ranks_wait(programs("wrong_shape", 2), T, checked=True) == {
+        r: Wait("the all-reduce of step 2", 0.0, NAMED) for r in range(2)}
+    assert hang_model.where_ranks_wait(programs("none", 4), T) == {}
+
+
+def test_the_lab_ends_where_the_model_predicts_on_three_ranks():
+    """An odd world, the breaking rank in the middle: every rank's one line names the
+    collective the model predicts, after the timeout (not before it, and however busy the
+    machine, before a second one)."""
+    timeout = 1
+    with pytest.raises(LabError) as failed:
+        run_lab("hang", 3, ["--mode", "skip_collective", "--timeout", timeout], echo=False)
+    said = str(failed.value)
+    predicted = hang_model.where_ranks_wait(
+        [hang.program(hang.parse_args(["--timeout", timeout]), r) for r in range(3)], timeout)
+    for rank, wait in predicted.items():
+        ended = re.findall(rf"rank {rank}: {wait.label} ended after ([\d.]+) s", said)
+        assert ended and timeout - 0.1 <= float(ended[0]) < 2 * timeout, (rank, said)
+
+
+def test_in_step_it_runs_clean(script, tmp_path):
+    done = script("hang", "--mode", "none", "--out", tmp_path / "hang.json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads((tmp_path / "hang.json").read_text())
     assert result["mode"] == "none" and result["steps"] == hang.STEPS
 
 

@@ -14,7 +14,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 HTML = REPO / "_build" / "html"
 CHAPTERS = ["grad_averaging", "collectives", "memory", "scaling", "fsdp", "tensor_parallel",
-            "pipeline", "context_parallel", "expert_parallel", "hybrid", "at_scale"]
+            "pipeline", "context_parallel", "expert_parallel", "hybrid", "at_scale",
+            "hangs"]
 PAGES = ["intro", *CHAPTERS, "sizing", "status", "bibliography"]
 
 if not (HTML / "book" / "intro.html").is_file():
