@@ -52,11 +52,13 @@ DUMP_STAGGER_S = 0.3
 def issue(call, env):
     """One collective of the rank's program (hang_model.lab_program): the all-reduce, its
     sums checked, or the barrier."""
+    # async_op=True, then wait(): on NCCL a collective called without it returns no work,
+    # and under TORCH_NCCL_BLOCKING_WAIT it is work.wait() that raises at the timeout
     if call.op == "barrier":
-        dist.barrier()
+        dist.barrier(async_op=True).wait()
         return
     summed = torch.ones(call.numel, device=env.device)
-    dist.all_reduce(summed)
+    dist.all_reduce(summed, async_op=True).wait()
     if not bool((summed == env.world_size).all()):
         # gloo does not compare shapes: ranks that disagree may get wrong sums, silently
         raise RuntimeError(f"the sums are wrong ({summed.tolist()}, not {env.world_size} "
@@ -117,8 +119,9 @@ def main():
     faulthandler.register(signal.SIGUSR1, all_threads=True)   # kill -USR1 PID: the stacks
     # On NCCL a timed-out collective is otherwise found by the watchdog thread, which
     # aborts the process (SIGABRT) before the rank can say what it was doing; with
-    # blocking wait, the all-reduce itself raises at --timeout and `guarded` reports it.
-    # (Read when the group is created; gloo ignores it.)
+    # blocking wait (no watchdog then, and no flight-recorder dump), the wait on each
+    # collective's work raises at --timeout and `guarded` reports it. (Read when the group
+    # is created; gloo ignores it.)
     os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
     with distenv.initialize(args) as env:
         if args.mode != "none" and env.world_size < 2:

@@ -95,3 +95,19 @@ def test_bad_input_is_refused_in_one_line(script):
     assert_refused(hang.parse_args, ["--at-step", 5], "--at-step 5 is past the last step (4)")
     assert_refused(hang.parse_args, ["--mode", "deadlock"], "invalid choice")
     assert_fails_with_one_line(script("hang"), "run 2 or more")
+
+
+def test_on_nccl_what_differs_is_up_to_the_backend_and_a_barrier_is_an_all_reduce():
+    # the skip run's fifth place, rank 0's all-reduce of 4 against rank 1's barrier: on
+    # NCCL, an all-reduce of 4 elements against one of 1
+    assert hang_model.where_ranks_wait(programs("skip_collective", 2), T, backend="nccl") == {
+        0: Wait("the all-reduce of step 4", None, BACKEND),
+        1: Wait("the final barrier", None, BACKEND)}
+    one = [Collective("a one-element all-reduce", "all_reduce", 1)]
+    barrier = [Collective("the barrier", "barrier")]
+    assert hang_model.where_ranks_wait([one, barrier], T, backend="nccl") == {}   # it pairs
+    assert hang_model.where_ranks_wait([one, barrier], T) == {
+        0: Wait("a one-element all-reduce", T, TIMEOUT), 1: Wait("the barrier", T, TIMEOUT)}
+    # DETAIL compares what the program called, whatever the backend sends
+    assert hang_model.where_ranks_wait([one, barrier], T, checked=True, backend="nccl")[1] == (
+        Wait("the barrier", 0.0, NAMED))

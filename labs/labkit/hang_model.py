@@ -12,8 +12,11 @@ order, one of five things happens:
   a rank that arrives later than the     the ranks that were there give up after the
   timeout                                group's timeout; the late rank says nothing
   no call from a rank (it has left)      the backend decides: its connections close
-  different operations                   none of them completes: every rank waits there
-                                         until the group's timeout
+  different operations                   on gloo, which tags each message with its kind
+                                         of operation, none of them completes: every
+                                         rank waits there until the group's timeout; on
+                                         NCCL, which tags nothing (a barrier is a
+                                         one-element all-reduce), the backend decides
   the same operation on other sizes      the backend decides (gloo aborts when a message is
                                          longer than its buffer, NCCL reads the bytes it
                                          expects)
@@ -72,26 +75,34 @@ def lab_program(mode, rank, steps, at_step, breaking_rank, numel, timeout_s):
     return program
 
 
-def where_ranks_wait(programs, timeout_s, checked=False):
+def where_ranks_wait(programs, timeout_s, checked=False, backend="gloo"):
     """Walk the ranks' programs (one list of Collective per rank, in the order issued) place
     by place, each rank on its own clock, and return {rank: Wait} for the ranks that end
     with a message at the first place where not every collective completes (a rank that is
     still late then is missing from it: it says nothing). checked: the process group
     compares every collective's operation and sizes across the ranks before running it
-    (TORCH_DISTRIBUTED_DEBUG=DETAIL)."""
+    (TORCH_DISTRIBUTED_DEBUG=DETAIL). backend: "gloo" tags each message with its kind of
+    operation, so different operations never pair; "nccl" tags nothing, and runs a barrier
+    as a one-element all-reduce: there what differs in kind or size is up to the backend,
+    and a barrier meeting a one-element all-reduce completes."""
     clock = [0.0] * len(programs)   # when each rank finished its previous collective
     for place in range(max(len(p) for p in programs)):
         calls = {rank: p[place] for rank, p in enumerate(programs) if place < len(p)}
         if len(calls) < len(programs):
             # a rank has left (its program ended): its connections close under the others
             return {rank: Wait(c.label, None, BACKEND) for rank, c in calls.items()}
+        # DETAIL compares what the program called; the backend sees only what it sends
         ops, sizes = {c.op for c in calls.values()}, {c.numel for c in calls.values()}
         if checked and (len(ops) > 1 or len(sizes) > 1):
             return {rank: Wait(c.label, 0.0, NAMED) for rank, c in calls.items()}
-        if len(ops) > 1:
+        if backend == "nccl":   # a barrier is a one-element all-reduce there
+            sent = [("all_reduce", 1) if c.op == "barrier" else (c.op, c.numel)
+                    for c in calls.values()]
+            ops, sizes = {op for op, _ in sent}, {numel for _, numel in sent}
+        elif len(ops) > 1:
             # another operation: nothing matches, and every rank waits it out
             return {rank: Wait(c.label, timeout_s, TIMEOUT) for rank, c in calls.items()}
-        if len(sizes) > 1:
+        if len(ops) > 1 or len(sizes) > 1:
             return {rank: Wait(c.label, None, BACKEND) for rank, c in calls.items()}
         arrived = {rank: clock[rank] + c.late_s for rank, c in calls.items()}
         last = max(arrived.values())
