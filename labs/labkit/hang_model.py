@@ -61,23 +61,22 @@ def lab_program(mode, rank, steps, at_step, breaking_rank, numel, timeout_s):
     breaks = rank == breaking_rank and mode != "none"
     program = []
     for step in range(steps):
-        label = f"the all-reduce of step {step}"
+        sent, late_s = numel, 0.0
         if breaks and step == at_step:
             if mode == "skip_collective":
                 continue
             if mode == "wrong_shape":
-                program.append(Collective(label, "all_reduce", numel + 1))
-                continue
-            program.append(Collective(label, "all_reduce", numel, late_s=timeout_s + 2))
-            continue
-        program.append(Collective(label, "all_reduce", numel))
+                sent += 1
+            else:   # sleep
+                late_s = timeout_s + 2
+        program.append(Collective(f"the all-reduce of step {step}", "all_reduce", sent, late_s))
     program.append(Collective("the final barrier", "barrier"))
     return program
 
 
 def where_ranks_wait(programs, timeout_s, checked=False, backend="gloo"):
     """Walk the ranks' programs (one list of Collective per rank, in the order issued) place
-    by place, each rank on its own clock, and return {rank: Wait} for the ranks that end
+    by place, and return {rank: Wait} for the ranks that end
     with a message at the first place where not every collective completes (a rank that is
     still late then is missing from it: it says nothing). checked: the process group
     compares every collective's operation and sizes across the ranks before running it
@@ -85,7 +84,7 @@ def where_ranks_wait(programs, timeout_s, checked=False, backend="gloo"):
     operation, so different operations never pair; "nccl" tags nothing, and runs a barrier
     as a one-element all-reduce: there what differs in kind or size is up to the backend,
     and a barrier meeting a one-element all-reduce completes."""
-    clock = [0.0] * len(programs)   # when each rank finished its previous collective
+    now = 0.0   # when the ranks left the previous collective: together, once it completed
     for place in range(max(len(p) for p in programs)):
         calls = {rank: p[place] for rank, p in enumerate(programs) if place < len(p)}
         if len(calls) < len(programs):
@@ -104,10 +103,10 @@ def where_ranks_wait(programs, timeout_s, checked=False, backend="gloo"):
             return {rank: Wait(c.label, timeout_s, TIMEOUT) for rank, c in calls.items()}
         if len(ops) > 1 or len(sizes) > 1:
             return {rank: Wait(c.label, None, BACKEND) for rank, c in calls.items()}
-        arrived = {rank: clock[rank] + c.late_s for rank, c in calls.items()}
+        arrived = {rank: now + c.late_s for rank, c in calls.items()}
         last = max(arrived.values())
         gave_up = {rank for rank, t in arrived.items() if last - t > timeout_s}
         if gave_up:
             return {rank: Wait(calls[rank].label, timeout_s, TIMEOUT) for rank in gave_up}
-        clock = [last] * len(programs)
+        now = last
     return {}
