@@ -2,7 +2,8 @@
 ways from scratch (ring, all-gather, Ulysses) and by torch's context_parallel, each
 against one process training the whole sequence.
 
-The world's N ranks form one context-parallel group. Every rank holds all the weights and
+The world's N ranks form one context-parallel group (then, with --sub-worlds, its first k
+ranks form one of k, for each k). Every rank holds all the weights and
 s/N of each sequence's tokens in the zig-zag layout (the sequence cut into 2N chunks, rank
 i holding chunks i and 2N-1-i); everything but attention acts on its tokens alone. Each
 variant trains the course's transformer for --steps steps on the same batches, sums the
@@ -26,6 +27,8 @@ Launch lines (from the repository root):
   laptop, gloo on CPU:  torchrun --standalone --nproc_per_node=4 labs/context_parallel.py \\
                           --out cp4.json
   one process:          python labs/context_parallel.py
+  N = 4, then N = 2:    torchrun --standalone --nproc_per_node=4 labs/context_parallel.py \\
+                          --sub-worlds 2
   GPU box, NCCL:        torchrun --standalone --nproc_per_node=8 labs/context_parallel.py \\
                           --heads 16 --hidden 512 --seq 4096 --out cp8.json
   two nodes (run on each, HOST = node 0's address):
@@ -38,7 +41,9 @@ and predicted_activation_bytes_per_rank ([rank r's] bytes of attention probabili
 autograd keeps over the L layers, counted by a saved-tensor hook)}}, the bytes and
 collectives of the last training step, forward, backward and the gradients' all-reduce;
 `skipped` {name: why}; `attention_flops_by_rank` and `predicted_attention_flops_by_rank`
-{layout: [rank r's forward attention FLOPs]}; `shape`, `batch`, `cp`, `layout`.
+{layout: [rank r's forward attention FLOPs]}; `shape`, `batch`, `cp`, `layout`;
+`sub_worlds`, a result like this one (from `cp` on, and its `world_size`) for each
+--sub-worlds size, largest first.
 """
 
 import copy
@@ -52,7 +57,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from labkit import comm_model, distenv, memory_model, time_model
 from labkit import context_parallel_attention as cpa
 from labkit.collectives import CountCollectives
-from labkit.strategies import allreduce_gradients, rank_batch
+from labkit.strategies import allreduce_gradients, rank_batch, world_mesh
 from labkit.transformer import (Shape, Transformer, add_shape_args, next_token_loss,
                                 shape_from_args)
 
@@ -132,11 +137,11 @@ def train(name, shape, args, env):
     full = Transformer(shape).to(env.device)
     positions = cpa.layout_positions(shape.seq, env.world_size, LAYOUT, env.device)
     if name == "torch_cp":
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.experimental import context_parallel
-        mesh, model = init_device_mesh(env.device.type, (env.world_size,)), full
+        mesh, model = world_mesh(env.device, env.group), full
     else:
-        model = ContextParallelModel(full, attention_of(name, positions), positions[env.rank])
+        model = ContextParallelModel(full, attention_of(name, positions, env.group),
+                                     positions[env.rank])
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
     counter = comm_model.CollectiveCounter(env.world_size)
     for s in range(args.steps):
@@ -152,7 +157,7 @@ def train(name, shape, args, env):
                     sdpa_loss(model, *buffers, total=ids.numel()).backward()
             else:
                 model.loss(ids, targets).backward()
-            allreduce_gradients(list(model.parameters()))
+            allreduce_gradients(list(model.parameters()), env.group)
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     kept = None if name == "torch_cp" else cpa.attention_matrix_bytes(
@@ -165,7 +170,7 @@ def by_rank(value, env):
     """[value of rank r] on every rank (a collective)."""
     mine = torch.tensor([value], device=env.device, dtype=torch.float64)
     every = [torch.empty_like(mine) for _ in range(env.world_size)]
-    torch.distributed.all_gather(every, mine)
+    torch.distributed.all_gather(every, mine, group=env.group)
     return [int(x.item()) for x in every]
 
 
@@ -177,7 +182,8 @@ def run_variant(name, shape, args, env, expected):
     method = "ring" if name.startswith("ring") else name
     result = {
         "max_param_diff": distenv.max_param_diff([params[k] for k in names],
-                                                 [expected[k] for k in names], env.device),
+                                                 [expected[k] for k in names], env.device,
+                                                 env.group),
         "expected_equal": name not in PITFALLS or (name == "ring_local_mask" and n == 1),
         "comm_bytes_per_rank": round(counter.sent),
         "collectives": counter.counts,
@@ -204,7 +210,7 @@ def attention_flops(shape, batch, layout, env):
     q, k, v = torch.randn(3, batch, shape.heads, shape.seq // n, shape.hidden // shape.heads,
                           generator=generator).to(env.device)
     with torch.no_grad(), FlopCounterMode(display=False) as flops:
-        cpa.ring_attention(q, k, v, positions, 1 if layout == "contiguous" else 2)
+        cpa.ring_attention(q, k, v, positions, 1 if layout == "contiguous" else 2, env.group)
     return by_rank(flops.get_total_flops(), env)
 
 
@@ -252,6 +258,9 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=distenv.positive_int, default=STEPS, help="training steps")
     parser.add_argument("--batch", type=distenv.positive_int, default=BATCH,
                         help="sequences per step (every rank the same)")
+    parser.add_argument("--sub-worlds", type=distenv.int_list(1), default=[],
+                        help="then the same again on the first k ranks alone, for each k: "
+                             "e.g. 2")
     add_shape_args(parser, SHAPE)
     args = parser.parse_args(argv)
     shape_from_args(args)   # refuses a shape the model cannot have
@@ -262,9 +271,19 @@ def main():
     args = parse_args()
     with distenv.initialize(args) as env:
         shape = shape_from_args(args)
-        check_split(shape, args.variants, env.world_size)
+        groups, done = distenv.sub_worlds(env, args.sub_worlds)
+        for size in [env.world_size, *groups]:
+            check_split(shape, args.variants, size)
         env.print0(f"context-parallel size {env.world_size} ({env.backend}), {shape}")
-        env.write_result(args, run(args, env))
+        result = run(args, env)
+        result["sub_worlds"] = []
+        for k, group in groups.items():
+            env.print0(f"context-parallel size {k}, on "
+                       f"{f'ranks 0 to {k - 1}' if k > 1 else 'rank 0'}:")
+            result["sub_worlds"].append(
+                dict(run(args, env.within(group)) if env.rank < k else {}, world_size=k))
+        distenv.wait_for_all(done)
+        env.write_result(args, result)
 
 
 if __name__ == "__main__":

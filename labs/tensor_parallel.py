@@ -1,7 +1,8 @@
 """Tensor parallelism: Megatron-LM's split of a transformer built from scratch, beside torch's
 DTensor, every collective counted.
 
-The world's N ranks form one tensor-parallel group of t = N. Each variant splits the
+The world's N ranks form one tensor-parallel group of t = N (then, with --sub-worlds, its
+first k ranks form one of t = k, for each k). Each variant splits the
 course's transformer t ways, trains it for --steps steps on the same batches on every rank
 (tensor-parallel ranks share their data), and is compared with one process that trains the
 whole model on those batches.
@@ -25,6 +26,8 @@ whole model on those batches.
 Launch lines (from the repository root):
   laptop, gloo on CPU:  torchrun --standalone --nproc_per_node=4 labs/tensor_parallel.py \\
                           --out tp4.json
+  t = 4, then t = 2:    torchrun --standalone --nproc_per_node=4 labs/tensor_parallel.py \\
+                          --sub-worlds 2
   one process:          python labs/tensor_parallel.py --variants scratch
   GPU box, NCCL:        torchrun --standalone --nproc_per_node=8 labs/tensor_parallel.py \\
                           --heads 16 --hidden 512 --seq 256 --out tp8.json
@@ -37,7 +40,9 @@ predicted_comm_bytes_per_rank, collectives {op: count}, predicted_collectives}},
 over one training step, forward, backward and the optimizer's step; `param_bytes_per_rank`
 and `predicted_param_bytes_per_rank`, and `activation_bytes_per_rank` (one layer's, counted
 with saved-tensor hooks) and `predicted_activation_bytes_per_rank` (Korthikanti et al.'s
-count plus the LayerNorms' statistics), each {variant: bytes}; `shape`, `batch`, `tp`.
+count plus the LayerNorms' statistics), each {variant: bytes}; `shape`, `batch`, `tp`;
+`sub_worlds`, a result like this one (from `tp` on, and its `world_size`) for each
+--sub-worlds size, largest first.
 """
 
 import copy
@@ -49,7 +54,7 @@ from torch import nn
 from labkit import comm_model, distenv, memory_model
 from labkit.activations import count_activation_bytes
 from labkit.collectives import CountCollectives
-from labkit.strategies import apply_tp, group_qkv_by_rank, rank_batch
+from labkit.strategies import apply_tp, group_qkv_by_rank, rank_batch, world_mesh
 from labkit.tensor_parallel_layers import TensorParallelTransformer
 from labkit.transformer import (Shape, Transformer, add_shape_args, next_token_loss,
                                 shape_from_args)
@@ -68,11 +73,9 @@ PITFALLS = ("no_f_backward", "qkv_by_rows")
 class TorchTP(nn.Module):
     def __init__(self, full, env, sequence_parallel):
         super().__init__()
-        from torch.distributed.device_mesh import init_device_mesh
         self.model = copy.deepcopy(full)
         self.order = group_qkv_by_rank(self.model, env.world_size)
-        mesh = init_device_mesh(env.device.type, (env.world_size,))
-        apply_tp(self.model, mesh, sequence_parallel)
+        apply_tp(self.model, world_mesh(env.device, env.group), sequence_parallel)
         self.blocks = self.model.blocks
 
     def forward(self, ids):
@@ -99,7 +102,7 @@ def build(name, full, env):
     full_parameters()."""
     if name.startswith("dtensor"):
         return TorchTP(full, env, sequence_parallel=name == "dtensor_sp")
-    return TensorParallelTransformer(full, sequence_parallel=name == "scratch_sp",
+    return TensorParallelTransformer(full, env.group, sequence_parallel=name == "scratch_sp",
                                      reduce_backward=name != "no_f_backward",
                                      qkv_by_heads=name != "qkv_by_rows")
 
@@ -165,7 +168,8 @@ def run_variant(name, shape, args, env, expected):
     local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
     return {
         "max_param_diff": distenv.max_param_diff([full[n] for n in names],
-                                                 [expected[n] for n in names], env.device),
+                                                 [expected[n] for n in names], env.device,
+                                                 env.group),
         "expected_equal": name not in PITFALLS or env.world_size == 1,
         "comm_bytes_per_rank": round(counter.sent),
         "predicted_comm_bytes_per_rank": round(predicted_sent),
@@ -221,6 +225,9 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=distenv.positive_int, default=STEPS, help="training steps")
     parser.add_argument("--batch", type=distenv.positive_int, default=BATCH,
                         help="sequences per step (every rank the same)")
+    parser.add_argument("--sub-worlds", type=distenv.int_list(1), default=[],
+                        help="then the same again on the first k ranks alone (t = k), for "
+                             "each k: e.g. 2")
     add_shape_args(parser, SHAPE)
     args = parser.parse_args(argv)
     shape_from_args(args)   # refuses a shape the model cannot have
@@ -231,9 +238,19 @@ def main():
     args = parse_args()
     with distenv.initialize(args) as env:
         shape = shape_from_args(args)
-        check_split(shape, args.variants, env.world_size)
+        groups, done = distenv.sub_worlds(env, args.sub_worlds)
+        for size in [env.world_size, *groups]:
+            check_split(shape, args.variants, size)
         env.print0(f"tensor-parallel size {env.world_size} ({env.backend}), {shape}")
-        env.write_result(args, run(args, env))
+        result = run(args, env)
+        result["sub_worlds"] = []
+        for k, group in groups.items():
+            env.print0(f"tensor-parallel size {k}, on "
+                       f"{f'ranks 0 to {k - 1}' if k > 1 else 'rank 0'}:")
+            result["sub_worlds"].append(
+                dict(run(args, env.within(group)) if env.rank < k else {}, world_size=k))
+        distenv.wait_for_all(done)
+        env.write_result(args, result)
 
 
 if __name__ == "__main__":

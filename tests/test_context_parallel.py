@@ -1,7 +1,7 @@
 """The context-parallel lab: ring, all-gather and Ulysses attention against one process,
 every byte, kept attention matrix and attention FLOP against the cost models. The chapter
-runs N = 2 and 4 and asserts the same (context_parallel.md, hidden cells); here N = 1 (a
-plain process) and 3 (odd), the refusals, and the cost models by hand. (A missing peer:
+runs N = 4 and 2 and asserts the same (context_parallel.md, hidden cells); here N = 3 (odd)
+and 1, in one launch (--sub-worlds), the refusals, and the cost models by hand. (A missing peer:
 test_distenv, since every lab forms its group through distenv.)"""
 
 from fractions import Fraction
@@ -19,14 +19,21 @@ L, H, A, S, V = SHAPE.layers, SHAPE.hidden, SHAPE.heads, SHAPE.seq, SHAPE.vocab
 CORRECT = ("ring", "allgather", "ulysses")
 
 
-@pytest.fixture(scope="module", params=[1, 3])
-def result(request):
-    n = request.param
-    return run_lab("context_parallel", None if n == 1 else n, echo=False)
+@pytest.fixture(scope="module")
+def launch():
+    """N = 3, then N = 1 on rank 0 alone (--sub-worlds) in the same launch."""
+    return run_lab("context_parallel", 3, ["--sub-worlds", 1], echo=False)
 
 
-def test_the_result_says_where_it_came_from(result):
+@pytest.fixture(scope="module", params=[3, 1])
+def result(request, launch):
+    """The launch's result at N = 3, or at N = 1 with the launch's metadata."""
+    return launch if request.param == 3 else dict(launch, **launch["sub_worlds"][0])
+
+
+def test_the_result_says_where_it_came_from(result, launch):
     assert_lab_metadata(result, "context_parallel")
+    assert [sub["world_size"] for sub in launch["sub_worlds"]] == [1]
     assert result["cp"] == result["world_size"] and result["layout"] == "zigzag"
     assert result["args"]["steps"] == context_parallel.STEPS
     ran = set(result["variants"]) | set(result["skipped"])

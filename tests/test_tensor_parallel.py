@@ -1,7 +1,7 @@
 """The tensor-parallel lab: Megatron-LM's split from scratch and torch's DTensor, against
 one process trained on the same batches, every collective and byte against counts made
-by hand. The chapter runs t = 2 and 4 and asserts the same against the cost model
-(tensor_parallel.md, hidden cells); here t = 1 and 3."""
+by hand. The chapter runs t = 4 and 2 and asserts the same against the cost model
+(tensor_parallel.md, hidden cells); here t = 3 and 1, in one launch (--sub-worlds)."""
 
 import pytest
 
@@ -22,21 +22,27 @@ def ring(op, elements, t):
     return (2 if op == "all_reduce" else 1) * (t - 1) * 4 * elements / t
 
 
-# t = 1 and 3 (odd); the chapter runs t = 2 and 4 and asserts the same exactly
-# (tensor_parallel.md, hidden cells)
-@pytest.fixture(scope="module", params=[1, 3])
-def result(request):
-    t = request.param
-    return run_lab("tensor_parallel", None if t == 1 else t, echo=False)
+# t = 3 (odd), then t = 1 on rank 0 alone (--sub-worlds) in the same launch; the chapter
+# runs t = 4 and 2 alike and asserts the same exactly (tensor_parallel.md, hidden cells)
+@pytest.fixture(scope="module")
+def launch():
+    return run_lab("tensor_parallel", 3, ["--sub-worlds", 1], echo=False)
 
 
-def test_the_result_says_where_it_came_from(result):
-    assert_lab_metadata(result, "tensor_parallel")
-    assert result["tp"] == result["world_size"]
-    assert result["shape"] == {"layers": L, "hidden": H, "heads": SHAPE.heads, "seq": S,
-                               "vocab": V}
-    assert result["batch"] == BATCH and result["args"]["steps"] == tensor_parallel.STEPS
-    assert set(result["variants"]) == set(tensor_parallel.VARIANTS)
+@pytest.fixture(scope="module", params=[3, 1])
+def result(request, launch):
+    return launch if request.param == 3 else launch["sub_worlds"][0]
+
+
+def test_the_result_says_where_it_came_from(launch):
+    assert_lab_metadata(launch, "tensor_parallel")
+    assert launch["tp"] == launch["world_size"] == 3
+    assert [sub["tp"] for sub in launch["sub_worlds"]] == [1]
+    for result in (launch, *launch["sub_worlds"]):
+        assert result["shape"] == {"layers": L, "hidden": H, "heads": SHAPE.heads, "seq": S,
+                                   "vocab": V}
+        assert result["batch"] == BATCH and launch["args"]["steps"] == tensor_parallel.STEPS
+        assert set(result["variants"]) == set(tensor_parallel.VARIANTS)
 
 
 def test_correct_variants_match_one_process_and_the_pitfalls_do_not(result):
@@ -117,6 +123,7 @@ def test_a_shape_t_cannot_split_is_refused_in_one_line():
 def test_bad_options_are_refused_in_one_line(script):
     parse = tensor_parallel.parse_args
     assert_refused(parse, ["--steps", 0], "--steps must be at least 1")
+    assert_refused(parse, ["--sub-worlds", "2,0"], "--sub-worlds must be at least 1")
     assert_refused(parse, ["--variants", "scratch,bogus"], "invalid choice: 'bogus'")
     assert_refused(parse, ["--hidden", 50, "--heads", 12],
                    "--hidden 50 is not divisible by --heads 12")

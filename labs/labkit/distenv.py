@@ -178,6 +178,13 @@ class DistEnv:
     simulated: bool = False  # rank 0 of a fake process group; the other ranks do not exist
     lab: str = dataclasses.field(default_factory=lab_name)
     fp32: dict = dataclasses.field(default_factory=dict)   # exact_fp32()'s settings
+    group: object = None   # the process group the lab runs on: None is the world
+
+    def within(self, group):
+        """This rank as one of `group`'s (a --sub-worlds group, of ranks 0 to k-1): its rank
+        and size there, and the group its collectives take (env.group)."""
+        return dataclasses.replace(self, rank=dist.get_rank(group),
+                                   world_size=dist.get_world_size(group), group=group)
 
     @property
     def is_rank0(self):
@@ -251,12 +258,12 @@ def local_bytes(tensors):
     return total
 
 
-def max_param_diff(params, reference, device):
+def max_param_diff(params, reference, device, group=None):
     """Largest |difference| between two lists of tensors, over all of them and all ranks
-    (a collective: every rank calls it)."""
+    of `group` (a collective: each of them calls it)."""
     diff = max((p.detach() - r.detach()).abs().max().item() for p, r in zip(params, reference))
     worst = torch.tensor([diff], device=device)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
     return worst.item()
 
 
