@@ -120,13 +120,13 @@ def layout_size(layout):
 
 def device_meshes(layouts, env):
     """[(first rank, torch's DeviceMesh of (dp, pp, cp, tp), a group of all its ranks)], one
-    per layout, on consecutive blocks of ranks: the first over the whole world with
-    init_device_mesh, the next ones (--then) from rank 0 again, side by side. Every rank
-    builds every mesh, since creating a process group takes the whole world. Fails if a
-    mesh's groups are not the ones labkit.mesh lays out."""
+    per layout, on the blocks of ranks that first_ranks gives: the first over the whole
+    world with init_device_mesh. Every rank builds every mesh, since creating a process
+    group takes the whole world. Fails if a mesh's groups are not the ones labkit.mesh lays
+    out."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-    meshes, first = [], 0
-    for index, layout in enumerate(layouts):
+    meshes = []
+    for index, (layout, first) in enumerate(zip(layouts, first_ranks(layouts, env.world_size))):
         size, dims = layout_size(layout), (layout.dp, layout.pp, layout.cp, layout.tp)
         if index == 0:
             device_mesh, everyone, first = init_device_mesh(
@@ -147,8 +147,21 @@ def device_meshes(layouts, env):
             raise RuntimeError(f"torch's DeviceMesh made groups {theirs}, labkit.mesh expects "
                                f"{expected}")
         meshes.append((first, device_mesh, everyone))
-        first = 0 if index == 0 else first + size
     return meshes
+
+
+def first_ranks(layouts, world_size):
+    """Where each layout's block of ranks starts. The first layout takes the whole world; the
+    --then layouts follow side by side from rank 0, and one that does not fit in the ranks
+    left starts again at rank 0. A rank runs its layouts in order, so a block that starts
+    again waits for the layouts before it on its ranks."""
+    firsts, next_free = [0], 0
+    for layout in layouts[1:]:
+        if next_free + layout_size(layout) > world_size:
+            next_free = 0
+        firsts.append(next_free)
+        next_free += layout_size(layout)
+    return firsts
 
 
 def offset_groups(layout, first):
@@ -404,18 +417,17 @@ def layout(text):
 
 def layouts(args, world_size):
     """The main layout (args), then each --then layout: a copy of args with its degrees,
-    each checked (one line saying why not), and all of them within the world."""
+    each checked (one line saying why not), and each within the world."""
     result = [args]
     for then in args.then:
         one = copy.copy(args)
         one.dp, one.pp, one.cp, one.tp = then["dp"], then["pp"], then["cp"], then["tp"]
         one.data_parallel, one.then = then["data-parallel"], []
         check(one, layout_size(one), where=f"--then {then['text']}: ")
+        if world_size is not None and layout_size(one) > world_size:
+            distenv.fail(f"--then {then['text']}: the layout needs {ranks(layout_size(one))}, "
+                         f"but the world has {ranks(world_size)}")
         result.append(one)
-    side_by_side = sum(layout_size(one) for one in result[1:])
-    if world_size is not None and side_by_side > world_size:
-        distenv.fail(f"the --then layouts run side by side on {ranks(side_by_side)}, "
-                     f"but the world has {ranks(world_size)}")
     return result
 
 
@@ -439,7 +451,8 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=distenv.positive_int, default=STEPS, help="training steps")
     parser.add_argument("--then", type=layout, nargs="+", default=[], metavar="LAYOUT",
                         help="after the first layout, more on the same ranks, side by side on "
-                             "consecutive blocks from rank 0: e.g. dp=2,tp=2,data-parallel=fsdp "
+                             "consecutive blocks from rank 0, and from rank 0 again when one "
+                             "does not fit in the ranks left: e.g. dp=2,tp=2,data-parallel=fsdp "
                              "cp=2,tp=2 (a degree left out is 1)")
     add_shape_args(parser, SHAPE)
     args = parser.parse_args(None if argv is None else [str(a) for a in argv])
@@ -461,22 +474,22 @@ def main():
                        f" of {one.batch // (one.dp * one.microbatches)} sequences, "
                        f"{one.schedule}" + (f"; then on ranks {first} to "
                                             f"{first + layout_size(one) - 1}" if index else ""))
-        results = []
+        results = {}   # {index of a layout: its result}, for the layouts this rank is in
         for index, (one, (first, device_mesh, everyone)) in enumerate(zip(plan, meshes)):
             if index > 0 and not first <= env.rank < first + layout_size(one):
-                continue   # a rank past the side-by-side layouts waits for them
+                continue   # a rank outside this layout's block goes on to its next one
             try:
-                results.append(run(one, env, first, device_mesh, everyone))
+                results[index] = run(one, env, first, device_mesh, everyone)
             except TimeoutError as error:
                 distenv.fail(str(error), every_rank=True)   # each stage says what it waited for
-        # a rank done early (or past the last block) waits asleep for the others, then the
-        # first rank of each side-by-side layout brings its result to rank 0
+        # a rank done early waits asleep for the others, then the first rank of each --then
+        # layout brings its result to rank 0
         distenv.wait_for_all(done)
         gathered = [None] * env.world_size
-        dist.all_gather_object(gathered, results[1:] if env.rank in
-                               [first for first, _, _ in meshes[1:]] else [])
-        result = dict(results[0], then=sorted((r for rs in gathered for r in rs),
-                                              key=lambda r: r["first_rank"]))
+        dist.all_gather_object(gathered, [(index, results[index]) for index, (first, _, _)
+                                          in enumerate(meshes) if index and first == env.rank])
+        then = dict(pair for pairs in gathered for pair in pairs)
+        result = dict(results[0], then=[then[index] for index in sorted(then)])
         if env.write_result(args, result) is not None:
             for one in [result, *result["then"]]:
                 report(env, one)

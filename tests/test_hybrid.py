@@ -15,11 +15,12 @@ from labkit.launch import run_lab
 # its three, exactly): pairs of axes without the others, an odd degree of FSDP2 over three
 # data-parallel ranks (its padding makes their shards unequal), tensor parallelism over
 # three ranks, and context parallelism over three ranks beside data parallelism (a sequence
-# of 12 tokens, 6 zig-zag chunks). Two launches: the first layout of each on the whole
-# world, then the others (--then), side by side on blocks of its ranks.
-LAUNCHES = {"six": [(2, 1, 3, 1, "ddp"), (3, 1, 1, 1, "fsdp"), (1, 1, 1, 3, "ddp")],
-            "four": [(1, 2, 1, 2, "ddp"), (2, 2, 1, 1, "ddp")]}
-RUNS = [(name, index) for name, layouts in LAUNCHES.items() for index in range(len(layouts))]
+# of 12 tokens, 6 zig-zag chunks). One launch of 6 ranks: the first layout on the whole
+# world, then the others (--then), side by side on blocks of its ranks, the last two from
+# rank 0 again, one after the other, since neither fits in the ranks left.
+LAYOUTS = [(2, 1, 3, 1, "ddp"), (3, 1, 1, 1, "fsdp"), (1, 1, 1, 3, "ddp"),
+           (1, 2, 1, 2, "ddp"), (2, 2, 1, 1, "ddp")]
+WORLD = 6
 SEQ = 12   # cuts into 2 x 3 chunks
 
 
@@ -28,36 +29,28 @@ def layout_option(dp, pp, cp, tp, data_parallel):
 
 
 @pytest.fixture(scope="module")
-def launches():
-    """Each launch's result, run when a test first asks for it."""
-    done = {}
-
-    def launch(name):
-        if name not in done:
-            (dp, pp, cp, tp, data_parallel), *then = LAUNCHES[name]
-            done[name] = run_lab("hybrid", dp * pp * cp * tp, [
-                "--dp", dp, "--pp", pp, "--cp", cp, "--tp", tp, "--data-parallel", data_parallel,
-                "--seq", SEQ, *(["--then", *map(layout_option, *zip(*then))] if then else [])],
-                echo=False)
-        return done[name]
-    return launch
+def launch():
+    (dp, pp, cp, tp, data_parallel), *then = LAYOUTS
+    return run_lab("hybrid", WORLD, [
+        "--dp", dp, "--pp", pp, "--cp", cp, "--tp", tp, "--data-parallel", data_parallel,
+        "--seq", SEQ, "--then", *(layout_option(*layout) for layout in then)], echo=False)
 
 
-@pytest.fixture(scope="module", params=RUNS,
-                ids=lambda run: "dp%d-pp%d-cp%d-tp%d-%s" % LAUNCHES[run[0]][run[1]])
-def result(request, launches):
-    name, index = request.param
-    whole = launches(name)
-    return whole if index == 0 else whole["then"][index - 1]
+@pytest.fixture(scope="module", params=range(len(LAYOUTS)),
+                ids=lambda index: "dp%d-pp%d-cp%d-tp%d-%s" % LAYOUTS[index])
+def result(request, launch):
+    return launch if request.param == 0 else launch["then"][request.param - 1]
 
 
-def test_the_layouts_of_one_launch_run_side_by_side(launches):
-    whole = launches("six")
-    assert whole["world_size"] == 6 and (whole["first_rank"], whole["ranks"]) == (0, 6)
-    assert [(r["first_rank"], r["ranks"]) for r in whole["then"]] == [(0, 3), (3, 3)]
-    assert [(r["dp"], r["pp"], r["cp"], r["tp"], r["data_parallel"]) for r in whole["then"]] \
-        == [layout[:4] + (layout[4],) for layout in LAUNCHES["six"][1:]]
-    assert launches("four")["then"][0]["first_rank"] == 0   # the whole world again
+def test_the_layouts_of_one_launch_run_side_by_side_then_from_rank_0_again(launch):
+    assert launch["world_size"] == WORLD and (launch["first_rank"], launch["ranks"]) == (0, 6)
+    assert [(r["first_rank"], r["ranks"]) for r in launch["then"]] == [(0, 3), (3, 3), (0, 4),
+                                                                       (0, 4)]
+    assert [(r["dp"], r["pp"], r["cp"], r["tp"], r["data_parallel"]) for r in launch["then"]] \
+        == LAYOUTS[1:]
+    assert hybrid.first_ranks([hybrid.parse_args(["--dp", 8])] * 4, 8) == [0, 0, 0, 0]
+    halves = hybrid.parse_args(["--dp", 4])
+    assert hybrid.first_ranks([halves] * 5, 8) == [0, 0, 4, 0, 4]
 
 
 def test_the_trained_model_is_the_single_process_one(result):
@@ -134,8 +127,7 @@ def test_bad_input_is_refused_in_one_line(script):
                    "--then tp=4: --heads 6 does not split over --tp 4")
     with pytest.raises(SystemExit) as error:   # checked once the world's size is known
         hybrid.layouts(hybrid.parse_args(["--then", "dp=2"]), 1)
-    assert "the --then layouts run side by side on 2 ranks, but the world has 1 rank" in str(
-        error.value)
+    assert "--then dp=2: the layout needs 2 ranks, but the world has 1 rank" in str(error.value)
 
 
 def test_degrees_the_model_cannot_take_are_refused():
