@@ -39,7 +39,9 @@ Launch lines (from the repository root):
              --rdzv-id=scaling labs/scaling.py --strategy ddp --scaling weak --out s16.json
 
 JSON: alpha_s, beta_bytes_per_s (null, and link_fit_error says why, when all-reduce times do
-not grow with size, as on NVLink at these sizes; predictions are then null), param_count, and `runs`, one per (strategy, scaling):
+not grow with size, as on NVLink at these sizes; predictions are then null), param_count,
+`shape`, `flops_per_step` (torch's FlopCounterMode around one forward and backward of --batch
+sequences of the model, on one rank), and `runs`, one per (strategy, scaling):
 [{strategy, scaling, step_time_s, step_time_spread_s (upper minus lower quartile),
 step_time_quartiles_s, samples_per_s, compute_time_s (and forward_, backward_,
 optimizer_time_s), comm_time_s, predicted_step_time_s, predicted_comm_time_s,
@@ -49,6 +51,7 @@ largest first.
 """
 
 import copy
+import dataclasses
 import statistics
 
 import torch
@@ -185,6 +188,18 @@ def measure(strategy, scaling, args, env, link, group=None):
     }
 
 
+def count_step_flops(args, env):
+    """FLOPs of one forward and backward of --batch sequences, as torch's FlopCounterMode
+    counts them: its matrix multiplications, what a GPU's quoted FLOP/s are for."""
+    from torch.utils.flop_counter import FlopCounterMode   # here: rank 0 alone needs it
+    torch.manual_seed(args.seed)
+    model = Transformer(SHAPE).to(env.device)
+    ids, targets = rank_batch(SHAPE, args.batch, args.seed, 0, 0, env.device)
+    with FlopCounterMode(display=False) as counter:
+        next_token_loss(model(ids), targets).backward()
+    return counter.get_total_flops()
+
+
 def check_batch(args, world_size):
     """Strong scaling splits the batch evenly over the ranks, or the lab refuses to start."""
     if "strong" in args.scaling and args.batch % world_size:
@@ -249,8 +264,11 @@ def main():
         result["sub_worlds"] = [dict(measure_all(args, env, group) if env.rank < k else {},
                                      world_size=k) for k, group in groups.items()]
         distenv.wait_for_all(done)
-        env.write_result(args, {
-            "param_count": sum(p.numel() for p in Transformer(SHAPE).parameters()), **result})
+        if env.is_rank0:
+            env.write_result(args, {
+                "param_count": sum(p.numel() for p in Transformer(SHAPE).parameters()),
+                "shape": dataclasses.asdict(SHAPE), "flops_per_step": count_step_flops(args, env),
+                **result})
 
 
 if __name__ == "__main__":

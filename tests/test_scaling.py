@@ -65,6 +65,16 @@ def test_one_rank_measures_strong_and_weak_once():
         assert strong["step_time_s"] == weak["step_time_s"]   # one rank: the same run
         assert strong["batch_per_rank"] == weak["batch_per_rank"] == 4
     check_invariants(result)
+    # FlopCounterMode counts the matrix products of a step of 4 sequences: 6 per weight that
+    # multiplies an activation (the blocks' four matrices, the head) and token, and
+    # attention's two products, 12 L b s^2 h forward and backward
+    shape = scaling.SHAPE
+    assert result["shape"] == {"layers": shape.layers, "hidden": shape.hidden,
+                               "heads": shape.heads, "seq": shape.seq, "vocab": shape.vocab}
+    tokens = 4 * shape.seq
+    weights = shape.layers * 12 * shape.hidden ** 2 + shape.vocab * shape.hidden
+    assert result["flops_per_step"] == (6 * weights * tokens
+                                        + 12 * shape.layers * 4 * shape.seq ** 2 * shape.hidden)
 
 
 def test_collectives_are_the_steps_own():
