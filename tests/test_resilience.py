@@ -1,32 +1,12 @@
-"""A rank killed mid-run, the group restarted by torchrun, the run resumed from its last
-DCP checkpoint: the final parameters equal an uninterrupted run's bit for bit."""
+"""The resilience lab: a rank killed mid-run, the group restarted by torchrun, the run resumed
+from its last DCP checkpoint. The chapter runs the kill, the restart and the resume on three
+ranks and asserts that the final parameters equal an uninterrupted run's bit for bit
+(at_scale.md, hidden cells); here a world of one and bad input."""
 
 import json
 
-import pytest
-
 import resilience
 from conftest import assert_fails_with_one_line, assert_refused
-from labkit.launch import run_lab
-
-
-def test_kill_restart_resume_is_bit_identical(tmp_path):
-    # 2 ranks here; the chapter runs 3 and asserts the same, and that DDP's own buckets
-    # are not bit-identical there
-    result = run_lab("resilience", 2, ["--dir", tmp_path, "--fail-at-step", 7, "--fail-rank", 1],
-                     max_restarts=1, echo=False)
-    assert result["restart_count"] == 1 and result["world_size"] == 2
-    assert result["resumed_from_step"] == 6 and result["lost_steps"] == 1
-    assert result["max_param_diff_vs_uninterrupted"] == 0.0
-    # the same checkpoint resumed without the generator's state sees other data: it drifts
-    assert result["max_param_diff_resumed_without_rng_state"] > 1e-4
-    # with 2 ranks the order of additions cannot matter (a + b = b + a), buckets or not
-    assert result["max_param_diff_resumed_with_ddp_buckets"] == 0.0
-    assert result["checkpoint_save_s"]["blocking"] > 0
-    # dcp.async_save runs on gloo: it hands back control before the write is done
-    saved = result["checkpoint_save_s"]["async"]
-    assert result["async_save_error"] is None and 0 < saved["staging"] <= saved["total"]
-    assert (tmp_path / "latest").is_file()
 
 
 def test_bad_input_is_refused_in_one_line(script, tmp_path):
