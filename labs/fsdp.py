@@ -26,6 +26,7 @@ Measured on one step and reported beside the prediction:
 Launch lines (from the repository root):
   one process:           python labs/fsdp.py
   laptop, gloo on CPU:   torchrun --standalone --nproc_per_node=3 labs/fsdp.py --out f3.json
+  N = 3, then 2 and 1:   torchrun --standalone --nproc_per_node=3 labs/fsdp.py --sub-worlds 2,1
   GPU box, NCCL:         torchrun --standalone --nproc_per_node=8 labs/fsdp.py --out f8.json
   and a checkpoint:      torchrun --standalone --nproc_per_node=4 labs/fsdp.py \\
                            --checkpoint-dir ckpt --out f4.json
@@ -40,7 +41,8 @@ unit, point, param_bytes, grad_bytes}], peak_bytes, predicted_events, predicted_
 state_bytes_per_rank and predicted_state_bytes_per_rank {ddp, zero3: {params, grads,
 optimizer, total}}; param_count, padded_param_count, unit_param_counts, unit_padded_counts;
 with --checkpoint-dir, checkpoint: what `checkpoint.py save` reports (its step,
-checkpoint_bytes, full_export_bytes, param_count).
+checkpoint_bytes, full_export_bytes, param_count); `sub_worlds`, a result like this one
+(without the checkpoint, with its `world_size`) for each --sub-worlds size, largest first.
 """
 
 import argparse
@@ -52,7 +54,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from labkit import comm_model, distenv, memory_model
 from labkit.strategies import FSDP_FAMILY as SETUP
-from labkit.strategies import TorchDDP, apply_fsdp, rank_batch, train_step
+from labkit.strategies import TorchDDP, apply_fsdp, rank_batch, train_step, world_mesh
 from labkit.transformer import Transformer, next_token_loss
 
 BYTES = 4              # fp32 everywhere: parameters, gradients, momentum, communication
@@ -76,6 +78,7 @@ class FlatUnit:
         self.params = list(module.parameters())
         self.numel = sum(p.numel() for p in self.params)
         self.padded = memory_model.padded_numel(self.numel, env.world_size)
+        self.group = env.group
         shard_numel = self.padded // env.world_size
         self.full = torch.zeros(self.padded, device=env.device)
         torch.cat([p.detach().flatten() for p in self.params], out=self.full[:self.numel])
@@ -96,7 +99,7 @@ class FlatUnit:
 
     def gather(self, counter=None):
         self.full.untyped_storage().resize_(self.padded * BYTES)
-        distenv.all_gather_single(self.full, self.shard.detach())
+        distenv.all_gather_single(self.full, self.shard.detach(), group=self.group)
         if counter is not None:
             counter.add("all_gather", self.full)
 
@@ -114,7 +117,7 @@ class FlatUnit:
 
     def reduce_grads(self, counter, world_size):
         """Sum the flat gradients over ranks, keep this rank's shard, average, free."""
-        distenv.reduce_scatter_single(self.shard.grad, self.flat_grad)
+        distenv.reduce_scatter_single(self.shard.grad, self.flat_grad, group=self.group)
         counter.add("reduce_scatter", self.flat_grad)
         self.shard.grad.div_(world_size)   # SUM then divide: ReduceOp.AVG is not on old gloo
         for p in self.params:
@@ -184,13 +187,14 @@ def counting_ddp(model, env):
         return default_hooks.allreduce_hook(state, bucket)
 
     ddp = TorchDDP(model, env.device, SETUP.optimizer, comm_hook=counting_allreduce,
+                   hook_state=env.group, process_group=env.group,
                    gradient_as_bucket_view=True, keep_grads=True)
     return ddp, counter
 
 
 class TorchFSDP2:
-    def __init__(self, model, device):
-        self.model = apply_fsdp(model, device)
+    def __init__(self, model, env):
+        self.model = apply_fsdp(model, env.device, mesh=world_mesh(env.device, env.group))
         self.optimizer = SETUP.optimizer(self.model.parameters())
 
     def train_step(self, ids, targets):
@@ -253,7 +257,7 @@ def run(args, env):
     initial = Transformer(SETUP.shape).to(env.device)
     ddp, ddp_counter = counting_ddp(copy.deepcopy(initial), env)
     zero3 = ScratchZero3(copy.deepcopy(initial), env)
-    fsdp2 = TorchFSDP2(copy.deepcopy(initial), env.device)
+    fsdp2 = TorchFSDP2(copy.deepcopy(initial), env)
     counters = {"ddp": ddp_counter, "zero3": zero3.counter}
     timelines = {"ddp": Timeline(ddp.model.module.units(), ddp.tensors),
                  "zero3": Timeline(zero3.model.units(), zero3.tensors)}
@@ -284,8 +288,10 @@ def run(args, env):
             "predicted_peak_bytes": memory_model.timeline_peak(predicted)}
     return {
         "max_param_diff": {
-            "scratch_vs_ddp": distenv.max_param_diff(zero3.full_parameters(), reference, env.device),
-            "fully_shard_vs_ddp": distenv.max_param_diff(fsdp2.full_parameters(), reference, env.device)},
+            "scratch_vs_ddp": distenv.max_param_diff(zero3.full_parameters(), reference,
+                                                     env.device, env.group),
+            "fully_shard_vs_ddp": distenv.max_param_diff(fsdp2.full_parameters(), reference,
+                                                         env.device, env.group)},
         "comm_bytes_per_rank": {name: round(counter.sent) for name, counter in counters.items()},
         "predicted_comm_bytes_per_rank": {
             "ddp": round(comm_model.data_parallel_bytes_per_rank("ddp", psi, n, BYTES)),
@@ -309,7 +315,24 @@ def parse_args(argv=None):
     parser.add_argument("--checkpoint-dir", type=Path, default=None, metavar="DIR",
                         help="then run labs/checkpoint.py's save phase into DIR, in the same "
                              "processes (a launch fewer before `checkpoint.py resume`)")
+    parser.add_argument("--sub-worlds", type=distenv.int_list(1), default=[],
+                        help="then the same again on the first k ranks alone, for each k "
+                             "(comma-separated)")
     return parser.parse_args(argv)
+
+
+def report(env, metrics, steps):
+    diff, sent = metrics["max_param_diff"], metrics["comm_bytes_per_rank"]
+    predicted = metrics["predicted_comm_bytes_per_rank"]
+    env.print0(f"world size {env.world_size} ({env.backend}), {metrics['param_count']:,} "
+               f"parameters ({metrics['padded_param_count']:,} padded), {steps} steps")
+    env.print0(f"max |p - DDP|: scratch ZeRO-3 {diff['scratch_vs_ddp']:.2e}, "
+               f"fully_shard {diff['fully_shard_vs_ddp']:.2e}")
+    for name in ("ddp", "zero3"):
+        timeline, state = metrics["memory_timeline"][name], metrics["state_bytes_per_rank"]
+        env.print0(f"{name:>5}: sent {sent[name]:,} B/step (predicted {predicted[name]:,})")
+        env.print0(f"       peak params+grads {timeline['peak_bytes']:,} B (predicted "
+                   f"{timeline['predicted_peak_bytes']:,}), state {state[name]['total']:,} B")
 
 
 def main():
@@ -318,24 +341,22 @@ def main():
         if args.checkpoint_dir:
             import checkpoint   # labs/checkpoint.py, and DCP with it, only when asked for
             checkpoint.check_world_size(env.world_size)   # before the comparison, not after
+        groups, done = distenv.sub_worlds(env, args.sub_worlds)
         metrics = run(args, env)
-        diff, sent = metrics["max_param_diff"], metrics["comm_bytes_per_rank"]
-        predicted = metrics["predicted_comm_bytes_per_rank"]
-        env.print0(f"world size {env.world_size} ({env.backend}), {metrics['param_count']:,} "
-                   f"parameters ({metrics['padded_param_count']:,} padded), {args.steps} steps")
-        env.print0(f"max |p - DDP|: scratch ZeRO-3 {diff['scratch_vs_ddp']:.2e}, "
-                   f"fully_shard {diff['fully_shard_vs_ddp']:.2e}")
-        for name in ("ddp", "zero3"):
-            timeline, state = metrics["memory_timeline"][name], metrics["state_bytes_per_rank"]
-            env.print0(f"{name:>5}: sent {sent[name]:,} B/step (predicted {predicted[name]:,})")
-            env.print0(f"       peak params+grads {timeline['peak_bytes']:,} B (predicted "
-                       f"{timeline['predicted_peak_bytes']:,}), state {state[name]['total']:,} B")
+        report(env, metrics, args.steps)
         if args.checkpoint_dir:
             saving = argparse.Namespace(dir=args.checkpoint_dir, steps=checkpoint.STEPS,
                                         seed=args.seed)
             metrics["checkpoint"] = checkpoint.save(saving, env)
             env.print0(f"checkpoint.py save: step {metrics['checkpoint']['step']} in "
                        f"{args.checkpoint_dir} ({metrics['checkpoint']['checkpoint_bytes']:,} B)")
+        metrics["sub_worlds"] = []
+        for k, group in groups.items():
+            sub = run(args, env.within(group)) if env.rank < k else {}
+            if sub:
+                report(env.within(group), sub, args.steps)
+            metrics["sub_worlds"].append(dict(sub, world_size=k))
+        distenv.wait_for_all(done)
         env.write_result(args, metrics)
 
 

@@ -1,6 +1,7 @@
 """The FSDP lab: scratch ZeRO-3 and FSDP2 against DDP, the collectives they issue against
 2 psi and 3 psi, and the memory timeline and state against the schedule. The chapter runs
-N = 4 and asserts the same (fsdp.md, hidden cells); here N = 1, 2 and 3, by hand."""
+N = 4 and asserts the same (fsdp.md, hidden cells); here N = 3, 2 and 1 in one launch
+(--sub-worlds), by hand."""
 
 import pytest
 
@@ -12,8 +13,22 @@ from labkit.launch import run_lab
 
 
 @pytest.fixture(scope="module")
-def one_rank():
-    return run_lab("fsdp", None, ["--steps", 3], echo=False)   # python, no torchrun
+def checkpoint_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("fsdp") / "ckpt"
+
+
+@pytest.fixture(scope="module")
+def launch(checkpoint_dir):
+    """N = 3, which also saves the checkpoint lab's checkpoint (--checkpoint-dir), then
+    N = 2 and 1 on its first ranks."""
+    return run_lab("fsdp", 3, ["--steps", 3, "--checkpoint-dir", checkpoint_dir,
+                               "--sub-worlds", "2,1"], echo=False)
+
+
+@pytest.fixture(scope="module")
+def one_rank(launch):
+    assert [sub["world_size"] for sub in launch["sub_worlds"]] == [2, 1]
+    return launch["sub_worlds"][1]
 
 
 def test_scratch_and_fully_shard_match_ddp_and_the_predictions(one_rank):
@@ -59,18 +74,17 @@ def test_bad_steps_is_refused_in_one_line(script):
     assert_fails_with_one_line(script("fsdp", "--steps", 0), "--steps must be at least 1")
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_real_ranks_match_ddp_and_the_predictions_by_hand(n, tmp_path):
-    # at N = 3 the same launch also saves the checkpoint lab's checkpoint (--checkpoint-dir)
-    saving = ["--checkpoint-dir", tmp_path / "ckpt"] if n == 3 else []
-    result = run_lab("fsdp", n, ["--steps", 3, *saving], echo=False)
-    if saving:
-        saved = result["checkpoint"]
-        assert saved["step"] == checkpoint.STEPS and saved["param_count"] == result["param_count"]
-        assert len(list((tmp_path / "ckpt").glob("*.distcp"))) == n   # a file per rank
-        assert (tmp_path / "ckpt" / checkpoint.FULL_EXPORT).is_file()
-    else:
-        assert "checkpoint" not in result
+def test_the_launch_saves_the_checkpoint_labs_checkpoint(launch, checkpoint_dir):
+    saved = launch["checkpoint"]
+    assert saved["step"] == checkpoint.STEPS and saved["param_count"] == launch["param_count"]
+    assert len(list(checkpoint_dir.glob("*.distcp"))) == 3   # a file per rank
+    assert (checkpoint_dir / checkpoint.FULL_EXPORT).is_file()
+    assert all("checkpoint" not in sub for sub in launch["sub_worlds"])
+
+
+@pytest.mark.parametrize("n", [3, 2])
+def test_real_ranks_match_ddp_and_the_predictions_by_hand(n, launch):
+    result = launch if n == 3 else launch["sub_worlds"][0]
     psi, padded = result["param_count"], result["padded_param_count"]
     assert result["world_size"] == n
     assert max(result["max_param_diff"].values()) <= 1e-5
