@@ -216,6 +216,7 @@ def attention_flops(shape, batch, layout, env):
 
 def run(args, env):
     shape = shape_from_args(args)
+    env.print0(f"context-parallel size {env.world_size} ({env.backend}), {shape}")
     expected = reference(shape, args, env)
     variants, skipped = {}, {}
     for name in args.variants:
@@ -271,19 +272,11 @@ def main():
     args = parse_args()
     with distenv.initialize(args) as env:
         shape = shape_from_args(args)
-        groups, done = distenv.sub_worlds(env, args.sub_worlds)
-        for size in [env.world_size, *groups]:
+        distenv.check_sub_worlds(env, args.sub_worlds)
+        for size in [env.world_size, *args.sub_worlds]:
             check_split(shape, args.variants, size)
-        env.print0(f"context-parallel size {env.world_size} ({env.backend}), {shape}")
-        result = run(args, env)
-        result["sub_worlds"] = []
-        for k, group in groups.items():
-            env.print0(f"context-parallel size {k}, on "
-                       f"{f'ranks 0 to {k - 1}' if k > 1 else 'rank 0'}:")
-            result["sub_worlds"].append(
-                dict(run(args, env.within(group)) if env.rank < k else {}, world_size=k))
-        distenv.wait_for_all(done)
-        env.write_result(args, result)
+        env.write_result(args, distenv.measure_with_sub_worlds(
+            env, args.sub_worlds, lambda world: run(args, world)))
 
 
 if __name__ == "__main__":

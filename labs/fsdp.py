@@ -321,6 +321,12 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
+def run_and_report(args, env):
+    metrics = run(args, env)
+    report(env, metrics, args.steps)
+    return metrics
+
+
 def report(env, metrics, steps):
     diff, sent = metrics["max_param_diff"], metrics["comm_bytes_per_rank"]
     predicted = metrics["predicted_comm_bytes_per_rank"]
@@ -342,20 +348,15 @@ def main():
             import checkpoint   # labs/checkpoint.py, and DCP with it, only when asked for
             checkpoint.check_world_size(env.world_size)   # before the comparison, not after
         groups, done = distenv.sub_worlds(env, args.sub_worlds)
-        metrics = run(args, env)
-        report(env, metrics, args.steps)
+        metrics = run_and_report(args, env)
         if args.checkpoint_dir:
             saving = argparse.Namespace(dir=args.checkpoint_dir, steps=checkpoint.STEPS,
                                         seed=args.seed)
             metrics["checkpoint"] = checkpoint.save(saving, env)
             env.print0(f"checkpoint.py save: step {metrics['checkpoint']['step']} in "
                        f"{args.checkpoint_dir} ({metrics['checkpoint']['checkpoint_bytes']:,} B)")
-        metrics["sub_worlds"] = []
-        for k, group in groups.items():
-            sub = run(args, env.within(group)) if env.rank < k else {}
-            if sub:
-                report(env.within(group), sub, args.steps)
-            metrics["sub_worlds"].append(dict(sub, world_size=k))
+        metrics["sub_worlds"] = distenv.run_sub_worlds(env, groups,
+                                                       lambda sub: run_and_report(args, sub))
         distenv.wait_for_all(done)
         env.write_result(args, metrics)
 

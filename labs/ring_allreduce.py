@@ -307,8 +307,8 @@ def main():
     with distenv.initialize(args) as env:
         groups, done = distenv.sub_worlds(env, args.sub_worlds)
         metrics = measure(env, args)
-        metrics["sub_worlds"] = [dict(measure(env, args, group) if env.rank < k else {},
-                                      world_size=k) for k, group in groups.items()]
+        metrics["sub_worlds"] = distenv.run_sub_worlds(
+            env, groups, lambda sub: measure(env, args, sub.group))
         distenv.wait_for_all(done)
         env.write_result(args, metrics)
 

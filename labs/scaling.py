@@ -261,8 +261,8 @@ def main():
         for size in [env.world_size, *groups]:
             check_batch(args, size)
         result = measure_all(args, env)
-        result["sub_worlds"] = [dict(measure_all(args, env, group) if env.rank < k else {},
-                                     world_size=k) for k, group in groups.items()]
+        result["sub_worlds"] = distenv.run_sub_worlds(
+            env, groups, lambda sub: measure_all(args, env, sub.group))
         distenv.wait_for_all(done)
         if env.is_rank0:
             env.write_result(args, {

@@ -293,12 +293,35 @@ def sub_worlds(env, sizes):
     sub-world is left out of every later one, so it only ever waits at the end. Refuses a k
     larger than the world in one line. Every rank creates every group, in the same order,
     since creating one takes the whole world."""
+    check_sub_worlds(env, sizes)
+    groups = {k: dist.new_group(list(range(k))) for k in sorted(set(sizes), reverse=True)}
+    return groups, waiting_group()
+
+
+def check_sub_worlds(env, sizes):
+    """Refuse, in one line, a --sub-worlds size larger than the world."""
     too_big = [k for k in sizes if k > env.world_size]
     if too_big:
         fail(f"--sub-worlds {too_big[0]}: the world has only {env.world_size} "
              f"rank{'s' * (env.world_size > 1)}")
-    groups = {k: dist.new_group(list(range(k))) for k in sorted(set(sizes), reverse=True)}
-    return groups, waiting_group()
+
+
+def run_sub_worlds(env, groups, measure):
+    """measure(env) again in each of sub_worlds' groups, by its ranks alone (the others go
+    on to wait_for_all): [its result with its world_size], largest first."""
+    return [dict(measure(env.within(group)) if env.rank < k else {}, world_size=k)
+            for k, group in groups.items()]
+
+
+def measure_with_sub_worlds(env, sizes, measure):
+    """measure(env) on the whole world, then again in each --sub-worlds group (sub_worlds,
+    run_sub_worlds), every rank waiting for the last: the world's result, with the others
+    under `sub_worlds`."""
+    groups, done = sub_worlds(env, sizes)
+    result = measure(env)
+    result["sub_worlds"] = run_sub_worlds(env, groups, measure)
+    wait_for_all(done)
+    return result
 
 
 def _init_fake_group(world_size, timeout):
