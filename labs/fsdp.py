@@ -347,17 +347,14 @@ def main():
         if args.checkpoint_dir:
             import checkpoint   # labs/checkpoint.py, and DCP with it, only when asked for
             checkpoint.check_world_size(env.world_size)   # before the comparison, not after
-        groups, done = distenv.sub_worlds(env, args.sub_worlds)
-        metrics = run_and_report(args, env)
+        metrics = distenv.measure_with_sub_worlds(env, args.sub_worlds,
+                                                  lambda world: run_and_report(args, world))
         if args.checkpoint_dir:
             saving = argparse.Namespace(dir=args.checkpoint_dir, steps=checkpoint.STEPS,
                                         seed=args.seed)
             metrics["checkpoint"] = checkpoint.save(saving, env)
             env.print0(f"checkpoint.py save: step {metrics['checkpoint']['step']} in "
                        f"{args.checkpoint_dir} ({metrics['checkpoint']['checkpoint_bytes']:,} B)")
-        metrics["sub_worlds"] = distenv.run_sub_worlds(env, groups,
-                                                       lambda sub: run_and_report(args, sub))
-        distenv.wait_for_all(done)
         env.write_result(args, metrics)
 
 

@@ -129,8 +129,8 @@ def device_meshes(layouts, env):
     for index, (layout, first) in enumerate(zip(layouts, first_ranks(layouts, env.world_size))):
         size, dims = layout_size(layout), (layout.dp, layout.pp, layout.cp, layout.tp)
         if index == 0:
-            device_mesh, everyone, first = init_device_mesh(
-                env.device.type, dims, mesh_dim_names=mesh.DIMENSIONS), None, 0
+            device_mesh, everyone = init_device_mesh(
+                env.device.type, dims, mesh_dim_names=mesh.DIMENSIONS), None
         else:
             device_mesh = DeviceMesh(env.device.type, torch.arange(first, first + size).view(dims),
                                      mesh_dim_names=mesh.DIMENSIONS)

@@ -305,12 +305,8 @@ def measure(env, args, group=None):
 def main():
     args = parse_args()
     with distenv.initialize(args) as env:
-        groups, done = distenv.sub_worlds(env, args.sub_worlds)
-        metrics = measure(env, args)
-        metrics["sub_worlds"] = distenv.run_sub_worlds(
-            env, groups, lambda sub: measure(env, args, sub.group))
-        distenv.wait_for_all(done)
-        env.write_result(args, metrics)
+        env.write_result(args, distenv.measure_with_sub_worlds(
+            env, args.sub_worlds, lambda world: measure(world, args, world.group)))
 
 
 if __name__ == "__main__":

@@ -257,13 +257,11 @@ def measure_all(args, env, group=None):
 def main():
     args = parse_args()
     with distenv.initialize(args) as env:
-        groups, done = distenv.sub_worlds(env, args.sub_worlds)
-        for size in [env.world_size, *groups]:
+        distenv.check_sub_worlds(env, args.sub_worlds)
+        for size in [env.world_size, *args.sub_worlds]:
             check_batch(args, size)
-        result = measure_all(args, env)
-        result["sub_worlds"] = distenv.run_sub_worlds(
-            env, groups, lambda sub: measure_all(args, env, sub.group))
-        distenv.wait_for_all(done)
+        result = distenv.measure_with_sub_worlds(
+            env, args.sub_worlds, lambda world: measure_all(args, world, world.group))
         if env.is_rank0:
             env.write_result(args, {
                 "param_count": sum(p.numel() for p in Transformer(SHAPE).parameters()),
