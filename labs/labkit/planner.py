@@ -283,6 +283,33 @@ def stage_params(model, first_layer, layers, tp, ep, first, last):
 
 
 @functools.lru_cache(maxsize=65536)
+def stage_footprints(model, pp, tp, ep, replicas, zero, recompute, flash):
+    """Per pipeline stage, what one rank holds whatever the micro-batches: (its model
+    states {params, grads, optimizer, total} in mixed-precision Adam, the dense weights
+    over `replicas` ranks and each expert's over replicas / ep; the activation values per
+    token it keeps for a micro-batch in flight; those of the one layer that full
+    recomputation rebuilds at a time). Many layouts share these, so they are kept."""
+    footprints, first_layer = [], 0
+    for stage, count in enumerate(memory_model.stage_layers(model.layers, pp)):
+        first, last = stage == 0, stage == pp - 1
+        dense, experts = stage_params(model, first_layer, count, tp, ep, first, last)
+        states = memory_model.state_bytes_per_gpu(dense, replicas, zero)
+        if experts:
+            e = memory_model.state_bytes_per_gpu(experts, max(1, replicas // ep), zero)
+            states = {k: states[k] + e[k] for k in states}
+        if recompute == "full":     # each layer's input, and one layer rebuilt at a time
+            kept = count * model.hidden / tp
+            rebuilt = stage_activation_values(model, first_layer, count, tp, flash)[1]
+        else:   # selective recomputation rebuilds attention's s x s part: none kept
+            kept = stage_activation_values(model, first_layer, count, tp,
+                                           flash or recompute != "none")[0]
+            rebuilt = 0
+        footprints.append((states, kept, rebuilt))
+        first_layer += count
+    return tuple(footprints)
+
+
+@functools.lru_cache(maxsize=65536)
 def stage_activation_values(model, first_layer, layers, tp, flash):
     """(sum, largest) of layer_activation_values over a stage's layers."""
     values = [model.layer_activation_values(i, tp, True, flash)
@@ -328,26 +355,12 @@ def memory(model, layout, settings, hw):
     replicas = layout["dp"] * cp                 # ranks holding the same dense weights
     schedule = "interleaved" if v > 1 else "1f1b"
     in_flight = memory_model.pipeline_peak_microbatches(schedule, pp, m, v)
-    bounds = memory_model.stage_layers(model.layers, pp)
     tokens = model.seq // cp * b                  # of one micro-batch, on this rank
-    worst, first_layer = None, 0
-    for stage in range(pp):
-        layers = range(first_layer, first_layer + bounds[stage])
-        first_layer += bounds[stage]
-        first, last = stage == 0, stage == pp - 1
-        dense, experts = stage_params(model, layers.start, len(layers), tp, ep, first, last)
-        states = memory_model.state_bytes_per_gpu(dense, replicas, zero)
-        if experts:
-            e = memory_model.state_bytes_per_gpu(experts, max(1, replicas // ep), zero)
-            states = {k: states[k] + e[k] for k in states}
-        if recompute == "full":     # each layer's input, and one layer rebuilt at a time
-            kept = len(layers) * model.hidden / tp
-            rebuilt = stage_activation_values(model, layers.start, len(layers), tp,
-                                              settings.flash_attention)[1]
-        else:   # selective recomputation rebuilds attention's s x s part: none kept
-            kept = stage_activation_values(model, layers.start, len(layers), tp,
-                                           settings.flash_attention or recompute != "none")[0]
-            rebuilt = 0
+    footprints = stage_footprints(model, pp, tp, ep, replicas, zero, recompute,
+                                  settings.flash_attention)
+    worst = None
+    for stage, (states, kept, rebuilt) in enumerate(footprints):
+        last = stage == pp - 1
         # in flight: micro-batches (1F1B) or chunk-micro-batches of 1/v of the layers
         held = in_flight[stage] / v
         # the last stage's head: the final norm's input and output (split by sequence
@@ -359,12 +372,12 @@ def memory(model, layout, settings, hw):
                 VALUE_BYTES * tokens * rebuilt, head)
         else:
             activations = VALUE_BYTES * tokens * held * kept + head
-        row = {"params": states["params"], "grads": states["grads"],
-               "optimizer": states["optimizer"], "states": states["total"],
-               "activations": activations, "logits": head,
-               "total": states["total"] + activations, "stage": stage}
-        if worst is None or row["total"] > worst["total"]:
-            worst = row
+        total = states["total"] + activations
+        if worst is None or total > worst["total"]:
+            worst = {"params": states["params"], "grads": states["grads"],
+                     "optimizer": states["optimizer"], "states": states["total"],
+                     "activations": activations, "logits": head, "total": total,
+                     "stage": stage}
     return worst
 
 
