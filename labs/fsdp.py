@@ -315,9 +315,7 @@ def parse_args(argv=None):
     parser.add_argument("--checkpoint-dir", type=Path, default=None, metavar="DIR",
                         help="then run labs/checkpoint.py's save phase into DIR, in the same "
                              "processes (a launch fewer before `checkpoint.py resume`)")
-    parser.add_argument("--sub-worlds", type=distenv.int_list(1), default=[],
-                        help="then the same again on the first k ranks alone, for each k "
-                             "(comma-separated)")
+    distenv.add_sub_worlds_arg(parser)
     return parser.parse_args(argv)
 
 

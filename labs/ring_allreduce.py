@@ -246,9 +246,7 @@ def parse_args(argv=None):
                              "K/M/G suffixes accepted (e.g. 4K,64K,1M,16M)")
     parser.add_argument("--repeats", type=distenv.positive_int, default=REPEATS,
                         help="timed runs per size")
-    parser.add_argument("--sub-worlds", type=distenv.int_list(1), default=[],
-                        help="then the same on the first k ranks alone, for each k "
-                             "(comma-separated)")
+    distenv.add_sub_worlds_arg(parser)
     parser.add_argument("--segment-bytes", type=distenv.at_least(ELEMENT_SIZE),
                         default=SEGMENT_BYTES, help="pipelining grain of the ring, in bytes")
     args = parser.parse_args(argv)

@@ -218,9 +218,7 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=distenv.positive_int, default=STEPS, help="timed steps")
     parser.add_argument("--warmup", type=distenv.at_least(0), default=WARMUP,
                         help="untimed first steps")
-    parser.add_argument("--sub-worlds", type=distenv.int_list(1), default=[],
-                        help="then all of it on the first k ranks alone, for each k "
-                             "(comma-separated)")
+    distenv.add_sub_worlds_arg(parser)
     return parser.parse_args(argv)
 
 
@@ -257,11 +255,9 @@ def measure_all(args, env, group=None):
 def main():
     args = parse_args()
     with distenv.initialize(args) as env:
-        distenv.check_sub_worlds(env, args.sub_worlds)
-        for size in [env.world_size, *args.sub_worlds]:
-            check_batch(args, size)
         result = distenv.measure_with_sub_worlds(
-            env, args.sub_worlds, lambda world: measure_all(args, world, world.group))
+            env, args.sub_worlds, lambda world: measure_all(args, world, world.group),
+            check=lambda size: check_batch(args, size))
         if env.is_rank0:
             env.write_result(args, {
                 "param_count": sum(p.numel() for p in Transformer(SHAPE).parameters()),

@@ -226,9 +226,7 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=distenv.positive_int, default=STEPS, help="training steps")
     parser.add_argument("--batch", type=distenv.positive_int, default=BATCH,
                         help="sequences per step (every rank the same)")
-    parser.add_argument("--sub-worlds", type=distenv.int_list(1), default=[],
-                        help="then the same again on the first k ranks alone (t = k), for "
-                             "each k: e.g. 2")
+    distenv.add_sub_worlds_arg(parser)
     add_shape_args(parser, SHAPE)
     args = parser.parse_args(argv)
     shape_from_args(args)   # refuses a shape the model cannot have
@@ -239,11 +237,9 @@ def main():
     args = parse_args()
     with distenv.initialize(args) as env:
         shape = shape_from_args(args)
-        distenv.check_sub_worlds(env, args.sub_worlds)
-        for size in [env.world_size, *args.sub_worlds]:
-            check_split(shape, args.variants, size)
         env.write_result(args, distenv.measure_with_sub_worlds(
-            env, args.sub_worlds, lambda world: run(args, world)))
+            env, args.sub_worlds, lambda world: run(args, world),
+            check=lambda size: check_split(shape, args.variants, size)))
 
 
 if __name__ == "__main__":

@@ -287,23 +287,21 @@ def wait_for_all(group):
     dist.barrier(group=group)
 
 
-def sub_worlds(env, sizes):
+def add_sub_worlds_arg(parser):
+    """--sub-worlds: the lab's measurement again inside the same launch, in a world of each
+    size k on the first k ranks (measure_with_sub_worlds)."""
+    parser.add_argument("--sub-worlds", type=int_list(1), default=[], metavar="K[,K...]",
+                        help="then the same again on the first k ranks alone, for each k "
+                             "(comma-separated, e.g. 2 or 2,1)")
+
+
+def sub_worlds(sizes):
     """The process groups of a lab's --sub-worlds: ({k: the group of ranks 0 to k-1}, largest
     k first, and the waiting_group of wait_for_all). Largest first: a rank left out of one
-    sub-world is left out of every later one, so it only ever waits at the end. Refuses a k
-    larger than the world in one line. Every rank creates every group, in the same order,
-    since creating one takes the whole world."""
-    check_sub_worlds(env, sizes)
+    sub-world is left out of every later one, so it only ever waits at the end. Every rank
+    creates every group, in the same order, since creating one takes the whole world."""
     groups = {k: dist.new_group(list(range(k))) for k in sorted(set(sizes), reverse=True)}
     return groups, waiting_group()
-
-
-def check_sub_worlds(env, sizes):
-    """Refuse, in one line, a --sub-worlds size larger than the world."""
-    too_big = [k for k in sizes if k > env.world_size]
-    if too_big:
-        fail(f"--sub-worlds {too_big[0]}: the world has only {env.world_size} "
-             f"rank{'s' * (env.world_size > 1)}")
 
 
 def run_sub_worlds(env, groups, measure):
@@ -313,11 +311,20 @@ def run_sub_worlds(env, groups, measure):
             for k, group in groups.items()]
 
 
-def measure_with_sub_worlds(env, sizes, measure):
+def measure_with_sub_worlds(env, sizes, measure, check=None):
     """measure(env) on the whole world, then again in each --sub-worlds group (sub_worlds,
     run_sub_worlds), every rank waiting for the last: the world's result, with the others
-    under `sub_worlds`."""
-    groups, done = sub_worlds(env, sizes)
+    under `sub_worlds`. Before anything runs, it refuses in one line a k larger than the
+    world, and check(size), for the world's size and each k, one the lab cannot split its
+    work over."""
+    too_big = [k for k in sizes if k > env.world_size]
+    if too_big:
+        fail(f"--sub-worlds {too_big[0]}: the world has only {env.world_size} "
+             f"rank{'s' * (env.world_size > 1)}")
+    if check:
+        for size in [env.world_size, *sizes]:
+            check(size)
+    groups, done = sub_worlds(sizes)
     result = measure(env)
     result["sub_worlds"] = run_sub_worlds(env, groups, measure)
     wait_for_all(done)
