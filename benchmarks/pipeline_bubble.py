@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "labs"))
-from labkit.launch import run_lab  # noqa: E402
+from labkit.runtime.launch import run_lab  # noqa: E402
 
 MICROBATCHES = ",".join(str(m) for m in range(1, 17))
 SCHEDULES = ("gpipe", "1f1b")

@@ -54,11 +54,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from labkit import comm_model, distenv, memory_model, time_model
-from labkit import context_parallel_attention as cpa
-from labkit.collectives import CountCollectives
-from labkit.strategies import allreduce_gradients, rank_batch, world_mesh
-from labkit.transformer import (Shape, Transformer, add_shape_args, next_token_loss,
+from labkit.predict import comm_model, memory_model, time_model
+from labkit.runtime import distenv
+from labkit.parallel import context_parallel_attention as cpa
+from labkit.runtime.collectives import CountCollectives
+from labkit.parallel.strategies import allreduce_gradients, rank_batch, world_mesh
+from labkit.model.transformer import (Shape, Transformer, add_shape_args, next_token_loss,
                                 shape_from_args)
 
 # heads 12 and 24 tokens: whole heads and 2N chunks at N = 1, 2, 3 and 4

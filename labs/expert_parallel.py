@@ -8,7 +8,7 @@ rank's batch a group of its own: its own capacity, its own load-balancing loss).
 
   dense                      one process holds every expert: the reference
   alltoall                   E/N experts per rank; dispatch and combine with
-                             all_to_all_single and uneven splits (labkit/expert_dispatch.py)
+                             all_to_all_single and uneven splits (labkit/parallel/expert_dispatch.py)
   allgather                  Megatron-Core's all-gather dispatcher: every rank gets every
                              token, computes its experts' slots, and a reduce-scatter
                              returns the sums
@@ -47,12 +47,13 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from labkit import comm_model, distenv, memory_model
-from labkit.collectives import CountCollectives
-from labkit.expert_dispatch import AllGatherExperts, AllToAllExperts, shard_experts
-from labkit.moe import MoEConfig, MoETransformer
-from labkit.strategies import allreduce_gradients, rank_batch
-from labkit.transformer import Shape, add_shape_args, next_token_loss, shape_from_args
+from labkit.predict import comm_model, memory_model
+from labkit.runtime import distenv
+from labkit.runtime.collectives import CountCollectives
+from labkit.parallel.expert_dispatch import AllGatherExperts, AllToAllExperts, shard_experts
+from labkit.model.moe import MoEConfig, MoETransformer
+from labkit.parallel.strategies import allreduce_gradients, rank_batch
+from labkit.model.transformer import Shape, add_shape_args, next_token_loss, shape_from_args
 
 SHAPE = Shape(layers=2, hidden=16, heads=2, seq=8, vocab=64)
 BATCH = 2                 # sequences per rank per step

@@ -45,17 +45,17 @@ checkpoint_bytes, full_export_bytes, param_count); `sub_worlds`, a result like t
 (without the checkpoint, with its `world_size`) for each --sub-worlds size, largest first.
 """
 
-import argparse
 import copy
 from pathlib import Path
 
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from labkit import comm_model, distenv, memory_model
-from labkit.strategies import FSDP_FAMILY as SETUP
-from labkit.strategies import TorchDDP, apply_fsdp, rank_batch, train_step, world_mesh
-from labkit.transformer import Transformer, next_token_loss
+from labkit.predict import comm_model, memory_model
+from labkit.runtime import distenv
+from labkit.parallel.strategies import FSDP_FAMILY as SETUP
+from labkit.parallel.strategies import TorchDDP, apply_fsdp, rank_batch, train_step, world_mesh
+from labkit.model.transformer import Transformer, next_token_loss
 
 BYTES = 4              # fp32 everywhere: parameters, gradients, momentum, communication
 
@@ -343,14 +343,14 @@ def main():
     args = parse_args()
     with distenv.initialize(args) as env:
         if args.checkpoint_dir:
-            import checkpoint   # labs/checkpoint.py, and DCP with it, only when asked for
-            checkpoint.check_world_size(env.world_size)   # before the comparison, not after
+            # DCP, imported with it, only when asked for
+            from labkit.parallel import sharded_checkpoint
+            sharded_checkpoint.check_world_size(env.world_size)   # before the comparison, not after
         metrics = distenv.measure_with_sub_worlds(env, args.sub_worlds,
                                                   lambda world: run_and_report(args, world))
         if args.checkpoint_dir:
-            saving = argparse.Namespace(dir=args.checkpoint_dir, steps=checkpoint.STEPS,
-                                        seed=args.seed)
-            metrics["checkpoint"] = checkpoint.save(saving, env)
+            metrics["checkpoint"] = sharded_checkpoint.save(
+                args.checkpoint_dir, sharded_checkpoint.STEPS, args.seed, env)
             env.print0(f"checkpoint.py save: step {metrics['checkpoint']['step']} in "
                        f"{args.checkpoint_dir} ({metrics['checkpoint']['checkpoint_bytes']:,} B)")
         env.write_result(args, metrics)

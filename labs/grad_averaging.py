@@ -34,8 +34,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from labkit import distenv
-from labkit.strategies import apply_ddp
+from labkit.runtime import distenv
+from labkit.parallel.strategies import apply_ddp
 
 # training
 STEPS = 30            # optimizer steps per variant

@@ -10,7 +10,7 @@ Every rank runs --steps steps of all-reduces; in step --at-step, rank --rank bre
 
 None of them may hang. The process group's --timeout ends each wait, and every rank then
 says in one line which all-reduce it was in, how long it waited, and what it was told.
-What each rank issues is labkit/hang_model.py's lab_program, from which the same model
+What each rank issues is labkit/predict/hang_model.py's lab_program, from which the same model
 predicts where each rank ends and after how long (where_ranks_wait).
 --dump-stacks-after S makes every rank print the stack of every thread after S seconds
 (faulthandler.dump_traceback_later; rank r 0.3 r s later, so that the dumps do not mix),
@@ -39,7 +39,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from labkit import distenv, hang_model
+from labkit.runtime import distenv
+from labkit.predict import hang_model
 
 MODES = hang_model.MODES
 STEPS = 5

@@ -2,16 +2,16 @@
 process.
 
 The world's N = dp x pp x cp x tp ranks form a mesh with tp innermost, then cp, then pp,
-and dp outermost (labkit/mesh.py); without --cp it is the 3-D mesh dp x pp x tp, and rank
+and dp outermost (labkit/parallel/mesh.py); without --cp it is the 3-D mesh dp x pp x tp, and rank
 r sits at d = r // (pp tp), p = r // tp % pp, t = r % tp. Every rank
 builds the course's transformer from the same seed, splits each layer over its
-tensor-parallel group as Megatron-LM does (labkit/tensor_parallel_layers.py), keeps the
+tensor-parallel group as Megatron-LM does (labkit/parallel/tensor_parallel_layers.py), keeps the
 contiguous layers of its pipeline stage (p of pp), and trains them with the 1F1B (or
-GPipe) schedule from scratch (labkit/pipeline_schedules.py) on its data-parallel share of
+GPipe) schedule from scratch (labkit/parallel/pipeline_schedules.py) on its data-parallel share of
 each step's batch, cut into --microbatches micro-batches. With --cp c, each of the c ranks
 of a context-parallel group takes 1/c of every sequence's tokens (two zig-zag chunks, so
 that causal attention's work is even) and its attention passes keys and values round the
-group's ring (labkit/context_parallel_attention.py, as in the context-parallel chapter);
+group's ring (labkit/parallel/context_parallel_attention.py, as in the context-parallel chapter);
 the c ranks hold the same weights, and average their gradients over cp as over dp. Over dp
 (--data-parallel):
 
@@ -72,13 +72,15 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from labkit import comm_model, distenv, memory_model, mesh
-from labkit import context_parallel_attention as cpa
-from labkit.collectives import CountCollectives
-from labkit.pipeline_schedules import OpClock, run_schedule, schedule_order, split_pieces
-from labkit.strategies import allreduce_gradients, apply_fsdp_unit, rank_batch
-from labkit.tensor_parallel_layers import TensorParallelTransformer, VocabParallelCrossEntropy
-from labkit.transformer import (Shape, Transformer, add_shape_args, next_token_loss,
+from labkit.predict import comm_model, memory_model
+from labkit.runtime import distenv
+from labkit.parallel import mesh
+from labkit.parallel import context_parallel_attention as cpa
+from labkit.runtime.collectives import CountCollectives
+from labkit.parallel.pipeline_schedules import OpClock, run_schedule, schedule_order, split_pieces
+from labkit.parallel.strategies import allreduce_gradients, apply_fsdp_unit, rank_batch
+from labkit.parallel.tensor_parallel_layers import TensorParallelTransformer, VocabParallelCrossEntropy
+from labkit.model.transformer import (Shape, Transformer, add_shape_args, next_token_loss,
                                 shape_from_args)
 
 # 6 heads and a vocabulary of 48 split over tp = 1, 2, 3 (and 6); 4 layers fill pp = 1..4
@@ -122,7 +124,7 @@ def device_meshes(layouts, env):
     """[(first rank, torch's DeviceMesh of (dp, pp, cp, tp), a group of all its ranks)], one
     per layout, on the blocks of ranks that first_ranks gives: the first over the whole
     world with init_device_mesh. Every rank builds every mesh, since creating a process
-    group takes the whole world. Fails if a mesh's groups are not the ones labkit.mesh lays
+    group takes the whole world. Fails if a mesh's groups are not the ones labkit.parallel.mesh lays
     out."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     meshes = []
@@ -144,7 +146,7 @@ def device_meshes(layouts, env):
                   for dim in mesh.DIMENSIONS}
         expected = offset_groups(layout, first)
         if any([list(g) for g in theirs[dim]] != expected[dim] for dim in mesh.DIMENSIONS):
-            raise RuntimeError(f"torch's DeviceMesh made groups {theirs}, labkit.mesh expects "
+            raise RuntimeError(f"torch's DeviceMesh made groups {theirs}, labkit.parallel.mesh expects "
                                f"{expected}")
         meshes.append((first, device_mesh, everyone))
     return meshes
@@ -165,7 +167,7 @@ def first_ranks(layouts, world_size):
 
 
 def offset_groups(layout, first):
-    """labkit.mesh's groups of a layout whose ranks start at `first`."""
+    """labkit.parallel.mesh's groups of a layout whose ranks start at `first`."""
     return {dim: [[first + r for r in group] for group in groups]
             for dim, groups in mesh.groups(layout.dp, layout.pp, layout.tp, layout.cp).items()}
 

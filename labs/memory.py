@@ -55,10 +55,11 @@ import json
 
 import torch
 
-from labkit import distenv, memory_model
-from labkit.activations import count_activation_bytes
-from labkit.strategies import apply_ddp, apply_fsdp, rank_batch
-from labkit.transformer import Shape, Transformer, next_token_loss, random_batch
+from labkit.runtime import distenv
+from labkit.predict import memory_model
+from labkit.runtime.activations import count_activation_bytes
+from labkit.parallel.strategies import apply_ddp, apply_fsdp, rank_batch
+from labkit.model.transformer import Shape, Transformer, next_token_loss, random_batch
 
 # The measured model: every sharded dimension (192, 384, 576, 768) divides by 1, 2, 3,
 # 4 and 64, so FSDP2's shards are exactly 1/N there; at N = 128 and beyond they are not.

@@ -44,10 +44,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from labkit import distenv, time_model, timing
-from labkit.strategies import SCALING_SHAPE as SHAPE
-from labkit.strategies import TorchDDP, rank_batch, train_step
-from labkit.transformer import Transformer, next_token_loss
+from labkit.runtime import distenv, timing
+from labkit.predict import time_model
+from labkit.parallel.strategies import SCALING_SHAPE as SHAPE
+from labkit.parallel.strategies import TorchDDP, rank_batch, train_step
+from labkit.model.transformer import Transformer, next_token_loss
 
 # model and data: SCALING_SHAPE, 3.7 MB of fp32 gradients in four 1 MiB buckets
 BATCH = 4              # sequences per rank per step

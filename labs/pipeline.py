@@ -54,7 +54,7 @@ second step (torch's schedules exchange a few bytes of set-up in their first), t
 timeline is the last step's.
 The handoff between stages (a message and the wake-up of the rank waiting for it) is
 measured once per launch: micro-batches sent down the pipeline and back, with ops as long
-as the schedules' (labkit.pipeline_schedules.handoff_samples).
+as the schedules' (labkit.parallel.pipeline_schedules.handoff_samples).
 """
 
 import contextlib
@@ -66,12 +66,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from labkit import comm_model, distenv, memory_model, time_model
-from labkit.collectives import CountCollectives
-from labkit.pipeline_schedules import (OpClock, handoff_samples, run_schedule, schedule_order,
+from labkit.predict import comm_model, memory_model, time_model
+from labkit.runtime import distenv
+from labkit.runtime.collectives import CountCollectives
+from labkit.parallel.pipeline_schedules import (OpClock, handoff_samples, run_schedule, schedule_order,
                                        split_pieces, timed_torch_stage)
-from labkit.strategies import apply_pp, rank_batch
-from labkit.transformer import (Shape, Transformer, add_shape_args, next_token_loss,
+from labkit.parallel.strategies import apply_pp, rank_batch
+from labkit.model.transformer import (Shape, Transformer, add_shape_args, next_token_loss,
                                 shape_from_args)
 
 # 8 thin layers: every stage of p = 1..4 gets whole layers, and so does every chunk of the

@@ -1,7 +1,7 @@
 """Choose a parallel configuration: every layout of N GPUs over data, tensor, pipeline,
-context and expert parallelism (labs/labkit/planner.py), with a ZeRO stage, a micro-batch
+context and expert parallelism (labs/labkit/predict/planner.py), with a ZeRO stage, a micro-batch
 size, a pipeline schedule and a recomputation, kept if it fits in GPU memory and ranked by
-predicted step time. The command line of labkit.planner; the model is described there.
+predicted step time. The command line of labkit.predict.planner; the model is described there.
 
 Memory per GPU: the fullest pipeline stage's mixed-precision Adam states, sharded by the
 ZeRO stage over the ranks holding the same weights, its activations (Korthikanti et al.,
@@ -37,8 +37,8 @@ import dataclasses
 import json
 import sys
 
-from labkit import comm_model, hardware, memory_model, planner
-from labkit.arguments import ArgumentParser, choice_list, fail, positive_int
+from labkit.predict import comm_model, hardware, memory_model, planner
+from labkit.predict.arguments import ArgumentParser, choice_list, fail, positive_int
 
 def parse_tokens(text):
     """'4M' -> 4194304 tokens (binary units, as batch sizes are quoted), '524288'."""
@@ -100,7 +100,7 @@ def parse_args(argv=None):
                             epilog=__doc__[__doc__.index("Launch lines"):])
     model = parser.add_argument_group("the model (one of --model, --params or a shape)")
     model.add_argument("--model", choices=sorted(planner.PRESETS),
-                       help="a published shape (labkit.planner.PRESETS, with sources)")
+                       help="a published shape (labkit.predict.planner.PRESETS, with sources)")
     model.add_argument("--params", help="parameter count (7B, 350M): a GPT-3-like shape")
     for name in ("layers", "hidden", "heads", "vocab"):
         model.add_argument(f"--{name}", type=positive_int, help=f"model {name}")

@@ -28,7 +28,7 @@ import socket
 
 import torch.distributed as dist
 
-from labkit import distenv
+from labkit.runtime import distenv
 
 
 def this_rank(env):

@@ -50,9 +50,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from labkit import distenv
-from labkit.strategies import TorchDDP
-from labkit.transformer import Shape, Transformer, add_shape_args, random_batch, shape_from_args
+from labkit.runtime import distenv
+from labkit.parallel.strategies import TorchDDP
+from labkit.model.transformer import Shape, Transformer, add_shape_args, random_batch, shape_from_args
 
 SHAPE = Shape(layers=2, hidden=32, heads=4, seq=16, vocab=64)
 BATCH = 4            # sequences per rank per step

@@ -41,7 +41,8 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from labkit import comm_model, distenv, timing
+from labkit.predict import comm_model
+from labkit.runtime import distenv, timing
 
 # correctness run
 NUMEL = 1_000_003          # does not divide by any small N: unequal chunks by default

@@ -57,10 +57,11 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from labkit import comm_model, distenv, memory_model, time_model, timing
-from labkit.strategies import SCALING_SHAPE as SHAPE
-from labkit.strategies import apply_ddp, apply_fsdp, rank_batch, train_step, world_mesh
-from labkit.transformer import Transformer, next_token_loss
+from labkit.predict import comm_model, memory_model, time_model
+from labkit.runtime import distenv, timing
+from labkit.parallel.strategies import SCALING_SHAPE as SHAPE
+from labkit.parallel.strategies import apply_ddp, apply_fsdp, rank_batch, train_step, world_mesh
+from labkit.model.transformer import Transformer, next_token_loss
 
 STRATEGIES = ("ddp", "fsdp")
 SCALINGS = ("strong", "weak")

@@ -7,7 +7,7 @@ course's transformer t ways, trains it for --steps steps on the same batches on 
 (tensor-parallel ranks share their data), and is compared with one process that trains the
 whole model on those batches.
 
-  scratch        Megatron-LM's split built from scratch (labkit/tensor_parallel_layers.py):
+  scratch        Megatron-LM's split built from scratch (labkit/parallel/tensor_parallel_layers.py):
                  QKV (whole heads per rank) and fc1 column-parallel, proj and fc2
                  row-parallel, f (identity forward, all-reduce backward) before each
                  column-parallel linear and g (all-reduce forward, identity backward)
@@ -51,12 +51,13 @@ import dataclasses
 import torch
 from torch import nn
 
-from labkit import comm_model, distenv, memory_model
-from labkit.activations import count_activation_bytes
-from labkit.collectives import CountCollectives
-from labkit.strategies import apply_tp, group_qkv_by_rank, rank_batch, world_mesh
-from labkit.tensor_parallel_layers import TensorParallelTransformer
-from labkit.transformer import (Shape, Transformer, add_shape_args, next_token_loss,
+from labkit.predict import comm_model, memory_model
+from labkit.runtime import distenv
+from labkit.runtime.activations import count_activation_bytes
+from labkit.runtime.collectives import CountCollectives
+from labkit.parallel.strategies import apply_tp, group_qkv_by_rank, rank_batch, world_mesh
+from labkit.parallel.tensor_parallel_layers import TensorParallelTransformer
+from labkit.model.transformer import (Shape, Transformer, add_shape_args, next_token_loss,
                                 shape_from_args)
 
 # heads 12 and every width divisible by 1, 2, 3 and 4: the ranks split whole heads at each

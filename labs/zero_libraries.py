@@ -33,10 +33,10 @@ import logging
 import os
 import warnings
 
-from labkit import distenv
-from labkit.strategies import FSDP_FAMILY as SETUP
-from labkit.strategies import TorchDDP, rank_batch
-from labkit.transformer import Transformer, next_token_loss
+from labkit.runtime import distenv
+from labkit.parallel.strategies import FSDP_FAMILY as SETUP
+from labkit.parallel.strategies import TorchDDP, rank_batch
+from labkit.model.transformer import Transformer, next_token_loss
 
 LIBRARIES = ("deepspeed-zero2", "deepspeed-zero3", "accelerate")
 

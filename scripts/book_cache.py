@@ -46,8 +46,8 @@ def inputs_hash(repo=None):
 def measure_unit():
     """Seconds of a bare 2-rank torchrun launch of labs/ranks.py: each of UNIT_RUNS."""
     sys.path.insert(0, str(REPO / "labs"))
-    from labkit.distenv import hardware_description
-    from labkit.launch import run_lab
+    from labkit.runtime.distenv import hardware_description
+    from labkit.runtime.launch import run_lab
     import torch
     samples = []
     for _ in range(UNIT_RUNS):

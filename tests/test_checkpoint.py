@@ -6,8 +6,9 @@ failures."""
 import pytest
 
 import checkpoint
+from labkit.parallel import sharded_checkpoint
 from conftest import assert_fails_with_one_line, assert_refused
-from labkit.launch import run_lab
+from labkit.runtime.launch import run_lab
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +44,10 @@ def test_resume_without_a_checkpoint_is_one_line(tmp_path, script):
 def test_a_world_size_the_batch_does_not_split_over_is_refused():
     # checked on every rank once the group is up; the launcher shows it (test_distenv)
     for world_size in (1, 2, 3, 4, 6, 12):
-        checkpoint.check_world_size(world_size)
+        sharded_checkpoint.check_world_size(world_size)
     for world_size in (5, 8):
         with pytest.raises(SystemExit, match=f"does not split over {world_size} ranks"):
-            checkpoint.check_world_size(world_size)
+            sharded_checkpoint.check_world_size(world_size)
 
 
 @pytest.mark.parametrize("args, words", [

@@ -6,7 +6,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from labkit import comm_model
+from labkit.predict import comm_model
 
 
 def test_chunks_cover_the_tensor_and_differ_by_at_most_one():

@@ -10,9 +10,9 @@ import pytest
 
 import context_parallel
 from conftest import assert_fails_with_one_line, assert_lab_metadata, assert_refused
-from labkit import comm_model, memory_model, time_model
-from labkit.launch import run_lab
-from labkit.transformer import Shape
+from labkit.predict import comm_model, memory_model, time_model
+from labkit.runtime.launch import run_lab
+from labkit.model.transformer import Shape
 
 SHAPE, BATCH = context_parallel.SHAPE, context_parallel.BATCH
 L, H, A, S, V = SHAPE.layers, SHAPE.hidden, SHAPE.heads, SHAPE.seq, SHAPE.vocab

@@ -7,10 +7,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from labkit import comm_model, distenv, memory_model
-from labkit.activations import count_activation_bytes
-from labkit.collectives import CountCollectives
-from labkit.transformer import Shape, Transformer, next_token_loss, random_batch
+from labkit.predict import comm_model, memory_model
+from labkit.runtime import distenv
+from labkit.runtime.activations import count_activation_bytes
+from labkit.runtime.collectives import CountCollectives
+from labkit.model.transformer import Shape, Transformer, next_token_loss, random_batch
 
 
 @pytest.fixture
@@ -69,7 +70,7 @@ def test_activations_of_one_layer_are_the_formula_plus_layernorm_statistics():
 def test_table_cells_keep_their_numbers_whole():
     # a narrow screen may break after the minus of an exponent, at a range's dash, and
     # between a number and its unit; table() joins them, and leaves words alone
-    from labkit.notebook import keep_whole
+    from labkit.runtime.notebook import keep_whole
     assert keep_whole("3.0e-08") == "3.0e\u201108"
     assert keep_whole("4.97–5.75") == "4.97\u2060–\u20605.75"
     assert keep_whole("17.2 GB") == "17.2\u00a0GB" and keep_whole("12 %") == "12\u00a0%"

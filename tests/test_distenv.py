@@ -1,4 +1,4 @@
-"""The lab contract (labkit.distenv) and the launcher: backend choice, parser types, seeds,
+"""The lab contract (labkit.runtime.distenv) and the launcher: backend choice, parser types, seeds,
 timeouts, one-line errors."""
 
 import ast
@@ -12,9 +12,9 @@ import yaml
 
 import ranks
 from conftest import assert_fails_with_one_line
-from labkit import distenv, launch
-from labkit.launch import LABS_DIR as LABS
-from labkit.launch import LabError, free_port, reader_command, run_lab
+from labkit.runtime import distenv, launch
+from labkit.runtime.launch import LABS_DIR as LABS
+from labkit.runtime.launch import LabError, free_port, reader_command, run_lab
 
 
 @pytest.mark.parametrize("requested, local_ranks, gpus, backend", [

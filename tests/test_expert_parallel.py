@@ -9,8 +9,8 @@ import pytest
 
 import expert_parallel
 from conftest import assert_fails_with_one_line, assert_refused
-from labkit import comm_model, memory_model
-from labkit.launch import run_lab
+from labkit.predict import comm_model, memory_model
+from labkit.runtime.launch import run_lab
 
 
 SHAPE = expert_parallel.SHAPE

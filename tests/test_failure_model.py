@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from labkit import failure_model
+from labkit.predict import failure_model
 
 DAY, HOUR = 86400, 3600
 

@@ -5,11 +5,11 @@ N = 4 and asserts the same (fsdp.md, hidden cells); here N = 3, 2 and 1 in one l
 
 import pytest
 
-import checkpoint
 import fsdp
 from conftest import assert_fails_with_one_line, assert_refused
-from labkit import memory_model
-from labkit.launch import run_lab
+from labkit.parallel import sharded_checkpoint
+from labkit.predict import memory_model
+from labkit.runtime.launch import run_lab
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +76,9 @@ def test_bad_steps_is_refused_in_one_line(script):
 
 def test_the_launch_saves_the_checkpoint_labs_checkpoint(launch, checkpoint_dir):
     saved = launch["checkpoint"]
-    assert saved["step"] == checkpoint.STEPS and saved["param_count"] == launch["param_count"]
+    assert saved["step"] == sharded_checkpoint.STEPS and saved["param_count"] == launch["param_count"]
     assert len(list(checkpoint_dir.glob("*.distcp"))) == 3   # a file per rank
-    assert (checkpoint_dir / checkpoint.FULL_EXPORT).is_file()
+    assert (checkpoint_dir / sharded_checkpoint.FULL_EXPORT).is_file()
     assert all("checkpoint" not in sub for sub in launch["sub_worlds"])
 
 

@@ -6,7 +6,7 @@ import torch
 
 import grad_averaging
 from conftest import assert_fails_with_one_line, assert_lab_metadata, assert_refused
-from labkit.launch import run_lab
+from labkit.runtime.launch import run_lab
 
 CORRECT = ["ddp", "manual_allreduce", "grad_accumulation"]
 PITFALLS = ["sum_not_mean", "no_set_epoch", "unequal_shards"]

@@ -1,6 +1,6 @@
 """Ranks out of step. The chapter on hangs (hangs.md) runs the four desynchronisations on
 2 ranks and asserts, in hidden cells, that each ends where the cost model predicts
-(labkit/hang_model.py), within the group's timeout, with a message, never a hang: the
+(labkit/predict/hang_model.py), within the group's timeout, with a message, never a hang: the
 skipped all-reduce with every thread's stack, the wrong shape in gloo's words,
 TORCH_DISTRIBUTED_DEBUG=DETAIL naming the mismatched op and shapes, the sleeping rank given
 up on. Here the model by hand, the lab against it on 3 ranks, the run where no rank breaks
@@ -13,9 +13,9 @@ import pytest
 
 import hang
 from conftest import assert_fails_with_one_line, assert_refused
-from labkit import hang_model
-from labkit.hang_model import BACKEND, NAMED, TIMEOUT, Collective, Wait
-from labkit.launch import LabError, run_lab
+from labkit.predict import hang_model
+from labkit.predict.hang_model import BACKEND, NAMED, TIMEOUT, Collective, Wait
+from labkit.runtime.launch import LabError, run_lab
 
 T = 2.0
 

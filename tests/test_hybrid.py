@@ -8,8 +8,8 @@ import pytest
 
 import hybrid
 from conftest import assert_fails_with_one_line, assert_refused
-from labkit import mesh
-from labkit.launch import run_lab
+from labkit.parallel import mesh
+from labkit.runtime.launch import run_lab
 
 # (dp, pp, cp, tp, data parallelism): the layouts the chapter does not run (it asserts
 # its three, exactly): pairs of axes without the others, an odd degree of FSDP2 over three

@@ -10,9 +10,10 @@ import pytest
 
 import memory
 from conftest import assert_fails_with_one_line, assert_refused
-from labkit import distenv, memory_model
-from labkit.launch import run_lab
-from labkit.transformer import Transformer
+from labkit.runtime import distenv
+from labkit.predict import memory_model
+from labkit.runtime.launch import run_lab
+from labkit.model.transformer import Transformer
 
 KEYS = ("params", "grads", "optimizer", "total")
 

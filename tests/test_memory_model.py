@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from labkit import memory_model
-from labkit.strategies import FSDP_FAMILY
-from labkit.transformer import Shape, Transformer
+from labkit.predict import memory_model
+from labkit.parallel.strategies import FSDP_FAMILY
+from labkit.model.transformer import Shape, Transformer
 
 GB = 1e9
 

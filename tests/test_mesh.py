@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 
-from labkit import mesh
+from labkit.parallel import mesh
 
 
 @pytest.mark.parametrize("dp,pp,tp", [(2, 2, 2), (3, 1, 2), (1, 3, 1), (4, 2, 2), (2, 3, 5)])

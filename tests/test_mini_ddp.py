@@ -6,8 +6,8 @@ import pytest
 
 import mini_ddp
 from conftest import assert_fails_with_one_line, assert_refused
-from labkit import time_model
-from labkit.launch import run_lab
+from labkit.predict import time_model
+from labkit.runtime.launch import run_lab
 
 FAST = ["--steps", 4, "--warmup", 1]
 

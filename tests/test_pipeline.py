@@ -10,8 +10,8 @@ import pytest
 
 import pipeline
 from conftest import assert_fails_with_one_line, assert_lab_metadata, assert_refused
-from labkit.launch import run_lab
-from labkit.pipeline_schedules import schedule_order
+from labkit.runtime.launch import run_lab
+from labkit.parallel.pipeline_schedules import schedule_order
 
 
 SHAPE = pipeline.SHAPE

@@ -5,7 +5,7 @@ import pytest
 
 import ring_allreduce
 from conftest import assert_fails_with_one_line, assert_refused
-from labkit.launch import run_lab
+from labkit.runtime.launch import run_lab
 
 
 @pytest.fixture(scope="module")

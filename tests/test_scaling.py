@@ -10,9 +10,9 @@ import torch
 
 import scaling
 from conftest import assert_fails_with_one_line, assert_refused
-from labkit import comm_model, memory_model, time_model
-from labkit.launch import run_lab
-from labkit.transformer import Transformer
+from labkit.predict import comm_model, memory_model, time_model
+from labkit.runtime.launch import run_lab
+from labkit.model.transformer import Transformer
 
 FAST = ["--steps", 3, "--warmup", 1]
 FIELDS = ("step_time_s", "step_time_spread_s", "samples_per_s", "compute_time_s",

@@ -1,4 +1,4 @@
-"""The sizing page's Python (labs/labkit/sizing.py), without a browser: the ZeRO paper's
+"""The sizing page's Python (labs/labkit/predict/sizing.py), without a browser: the ZeRO paper's
 example, the planner's answer as labs/plan.py gives it, and bad input as one line."""
 
 import json
@@ -6,7 +6,7 @@ import json
 import pytest
 
 import plan
-from labkit import planner, sizing
+from labkit.predict import planner, sizing
 
 
 def test_the_zero_papers_example():
@@ -61,8 +61,9 @@ def test_a_layout_that_does_not_fit_says_why():
     assert result["layout"]["rank"] is None and "GB per GPU" in result["layout"]["reason"]
 
 
-def test_the_page_copies_every_module_it_imports():
-    """book/_ext/sizing_page.py copies these into the site: sizing's imports, all of them."""
+def test_the_page_copies_the_predictions_folder_whole():
+    """book/_ext/sizing_page.py copies labkit/predict/ as a folder: every module in it, and
+    what sizing imports stays inside it (a module elsewhere would be missing in the site)."""
     import ast
     import importlib.util
     import sys
@@ -72,15 +73,14 @@ def test_the_page_copies_every_module_it_imports():
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("sizing_page", module)
     spec.loader.exec_module(module)
-    labkit = Path(planner.__file__).parent
-    needed, todo = {"sizing"}, ["sizing"]
-    while todo:
-        tree = ast.parse((labkit / f"{todo.pop()}.py").read_text())
+    predict = Path(planner.__file__).parent
+    labkit = predict.parent
+    copied = module.site_modules(labkit)
+    in_folder = {f"predict/{path.stem}" for path in predict.glob("*.py")}
+    assert set(copied) == in_folder | {"__init__"} and "predict/sizing" in copied
+    for name in copied:
+        tree = ast.parse((labkit / f"{name}.py").read_text())
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
-                names = [node.module] if node.module else [a.name for a in node.names]
-                for name in names:
-                    if name not in needed:
-                        needed.add(name)
-                        todo.append(name)
-    assert needed | {"__init__"} == set(module.MODULES)
+            if isinstance(node, ast.ImportFrom):
+                assert node.level <= 1, f"{name} imports from outside labkit/predict/"
+                assert node.level == 1 or not (node.module or "").startswith("labkit"), name

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit.launch import free_port
+from labkit.runtime.launch import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from labkit.strategies import group_qkv_by_rank, qkv_rows_of_rank
-from labkit.transformer import Shape, Transformer
+from labkit.parallel.strategies import group_qkv_by_rank, qkv_rows_of_rank
+from labkit.model.transformer import Shape, Transformer
 
 
 @pytest.mark.parametrize("t", [1, 2, 3, 6])
@@ -43,8 +43,8 @@ def test_fsdp_shards_on_the_labs_device_when_cuda_is_there_too(monkeypatch):
     torch for the accelerator) and move every shard to cuda:0: apply_fsdp names the mesh,
     on the lab's device type. CUDA is faked here; a CUDA mesh would fail on this torch."""
     import torch.distributed as dist
-    from labkit.transformer import Shape, Transformer
-    from labkit.strategies import apply_fsdp
+    from labkit.model.transformer import Shape, Transformer
+    from labkit.parallel.strategies import apply_fsdp
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setattr(torch._C, "_get_accelerator", lambda: torch.device("cuda"))

@@ -7,9 +7,9 @@ import pytest
 
 import tensor_parallel
 from conftest import assert_fails_with_one_line, assert_lab_metadata, assert_refused
-from labkit import memory_model
-from labkit.launch import run_lab
-from labkit.transformer import Shape
+from labkit.predict import memory_model
+from labkit.runtime.launch import run_lab
+from labkit.model.transformer import Shape
 
 SHAPE, BATCH = tensor_parallel.SHAPE, tensor_parallel.BATCH
 CORRECT = ("scratch", "scratch_sp", "dtensor", "dtensor_sp")

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from labkit import time_model
-from labkit.pipeline_schedules import schedule_order
+from labkit.predict import time_model
+from labkit.parallel.pipeline_schedules import schedule_order
 
 
 def test_speedup_and_efficiencies():
@@ -124,7 +124,7 @@ def test_compute_time_from_flops():
 def test_layer_flops_are_what_torchs_flop_counter_counts():
     from torch.utils.flop_counter import FlopCounterMode
 
-    from labkit.transformer import Block, Shape
+    from labkit.model.transformer import Block, Shape
     shape, batch = Shape(layers=1, hidden=32, heads=4, seq=12, vocab=10), 3
     block = Block(shape)
     with FlopCounterMode(display=False) as counter:

@@ -5,7 +5,7 @@ from fractions import Fraction
 
 import pytest
 
-from labkit import comm_model, hardware, time_model
+from labkit.predict import comm_model, hardware, time_model
 
 S, B, H = 4096, 1, 8192
 

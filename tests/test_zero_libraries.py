@@ -5,7 +5,7 @@ import pytest
 
 import zero_libraries
 from conftest import assert_refused
-from labkit.launch import run_lab
+from labkit.runtime.launch import run_lab
 
 
 def test_deepspeed_zero3_trains_like_ddp_at_n_3():

@@ -1,7 +1,9 @@
-"""The sizing page's Python, put into the built site: the cost models and the planner are
-copied from labs/labkit/ at build time (the site runs the very files the build checks, with
-no second copy in the repository), with a small configuration script that says where
-Pyodide comes from.
+"""The sizing page's Python, put into the built site: the predictions subpackage,
+labs/labkit/predict/ (the cost models, the planner, the page's entry point `sizing`), is
+copied whole at build time with labkit's own __init__.py (the site runs the very files the
+build checks, with no second copy in the repository and no list of modules to keep in
+step: whatever that folder holds, which imports no torch, the page can import), with a
+small configuration script that says where Pyodide comes from.
 
 _config.yml, under sphinx: config:
   sizing_pyodide_version  the pinned Pyodide release (default below)
@@ -15,9 +17,15 @@ import shutil
 from pathlib import Path
 
 PYODIDE_VERSION = "0.27.7"
-# the torch-free modules the page imports (labkit.sizing and what it imports), in order
-MODULES = ("__init__", "hardware", "comm_model", "time_model", "memory_model", "planner",
-           "sizing")
+# labkit's subpackage of predictions: torch-free by its own rule, checked in the tests
+PREDICTIONS = "predict"
+
+
+def site_modules(labkit):
+    """The files the page loads, as paths under labkit/ without ".py": labkit's __init__ and
+    every module of its predictions subpackage."""
+    folder = labkit / PREDICTIONS
+    return ["__init__"] + sorted(f"{PREDICTIONS}/{path.stem}" for path in folder.glob("*.py"))
 
 
 def copy_into_site(app, exception):
@@ -26,8 +34,9 @@ def copy_into_site(app, exception):
     static = Path(app.outdir) / "_static"
     labkit = Path(app.srcdir) / "labs" / "labkit"
     target = static / "labkit"
-    target.mkdir(parents=True, exist_ok=True)
-    for name in MODULES:
+    modules = site_modules(labkit)
+    (target / PREDICTIONS).mkdir(parents=True, exist_ok=True)
+    for name in modules:
         shutil.copyfile(labkit / f"{name}.py", target / f"{name}.py")
     url = app.config.sizing_pyodide_url or (
         f"https://cdn.jsdelivr.net/pyodide/v{app.config.sizing_pyodide_version}/full/")
@@ -38,7 +47,7 @@ def copy_into_site(app, exception):
         shutil.copytree(local, static / "pyodide", dirs_exist_ok=True)
         url = "../_static/pyodide/"   # relative to the pages in book/
     config = {"pyodide": url, "version": app.config.sizing_pyodide_version,
-              "modules": list(MODULES)}
+              "modules": modules, "folders": [PREDICTIONS]}
     (static / "sizing-config.js").write_text(
         f"window.SIZING_CONFIG = {json.dumps(config)};\n")
 

@@ -1,6 +1,6 @@
-// The sizing page: loads Pyodide, puts the course's cost models (copied from labs/labkit/
-// into _static/labkit/ when the site is built) into its file system, and answers the form
-// with labkit.sizing.run. Nothing is computed here: this file only moves fields in and
+// The sizing page: loads Pyodide, puts the course's cost models (labs/labkit/predict/, copied
+// into _static/labkit/predict/ when the site is built) into its file system, and answers the form
+// with labkit.predict.sizing.run. Nothing is computed here: this file only moves fields in and
 // draws what Python returns.
 (function () {
   "use strict";
@@ -185,7 +185,7 @@
     await loadScript(config.pyodide + "pyodide.js");
     const pyodide = await window.loadPyodide({ indexURL: config.pyodide });
     status("Loading the course's cost models…");
-    pyodide.FS.mkdirTree("/home/pyodide/labkit");
+    for (const folder of ["", ...config.folders]) pyodide.FS.mkdirTree(`/home/pyodide/labkit/${folder}`);
     const base = new URL("../_static/labkit/", window.location.href);
     await Promise.all(config.modules.map(async (name) => {
       const response = await fetch(new URL(`${name}.py`, base));
@@ -195,7 +195,7 @@
     answer = pyodide.runPython(`
 import json, sys
 sys.path.insert(0, "/home/pyodide")
-from labkit import sizing
+from labkit.predict import sizing
 
 def answer(text):
     try:

@@ -1,24 +1,24 @@
-"""What the labs share. The runnable labs are the scripts beside this package
-(`labs/<name>.py`); nothing in here is meant to be run on its own.
+"""What the labs share, by role. The runnable labs are the scripts beside this package
+(`labs/<name>.py`); nothing in here is meant to be run on its own, and no lab imports
+another lab: what two labs share lives here.
 
-  distenv        the lab contract: parser and common options, process group, backend
-                 choice, per-rank seeds, metadata, the atomic JSON result, one-line errors
-  launch         run_lab: a lab under torchrun from a notebook or a test, its JSON back
-  timing         timing a distributed operation honestly (barrier, sync, slowest rank)
-  activations    the bytes autograd keeps for backward, counted by block
-  collectives    the collectives a step issues, counted as torch's dispatcher sees them
-  strategies     how a model is wrapped and trained: apply_ddp, apply_fsdp, apply_tp,
-                 train_step, the FSDP family's settings and its per-rank batches
-  tensor_parallel_layers
-                 Megatron-LM's tensor parallelism from scratch: f and g, the column- and
-                 row-parallel linears, the vocabulary-parallel embedding and loss
-  transformer    the course's small GPT-style model, every tensor countable
-  comm_model     communication cost: bytes per rank, bus bandwidth, alpha-beta times
-  memory_model   memory cost: ZeRO states, parameters, activations, shard layouts
-  time_model     time cost: efficiency, Amdahl, DDP buckets, step time, a layer's FLOPs
-  hardware       the GPU node the book's extrapolations assume, with its sources
-  planner        the planner of five dimensions (labs/plan.py is its command line)
-  sizing         the sizing page's entry point, run in the browser with Pyodide
-  arguments      argparse types and the one-line error (torch-free, for plan.py)
-  notebook       what a chapter's first cell imports: run_lab, table, glue, formats, plots
+  predict/   the predictions: cost models (communication, memory, time, failures, hangs),
+             the hardware they assume, the planner and the sizing page's entry point, and
+             the argparse types of the torch-free command lines. It imports no torch and
+             nothing outside itself: the sizing page runs this folder, as it is, in the
+             reader's browser (Pyodide).
+  runtime/   what runs a lab: the lab contract and its process group (distenv), the
+             launcher that notebooks and tests use (launch), timing, the counting of what
+             a step sends and keeps (collectives, activations), and what a chapter imports
+             (notebook). Imports torch, and predict.
+  model/     the course's model: a small GPT-style transformer whose every tensor can be
+             counted, and its mixture-of-experts block. Imports torch, runtime, predict.
+  parallel/  the parallelisms built from scratch (tensor, pipeline, context, expert) and
+             each way a model is wrapped, written once (strategies: apply_ddp, apply_fsdp,
+             apply_tp, apply_pp), the device mesh, and the FSDP model's sharded
+             checkpoint. Imports all of the above.
+
+Each folder imports only from the folders above it in this list (predict from none), so a
+new piece goes to the first folder whose role it has: a formula to predict, a way to run
+or measure, the network itself, or a way to split it over ranks.
 """

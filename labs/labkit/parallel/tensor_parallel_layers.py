@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import distenv
+from ..runtime import distenv
 from .strategies import allreduce_gradients, qkv_rows_of_rank
 
 

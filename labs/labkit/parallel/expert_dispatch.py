@@ -21,7 +21,7 @@ but the experts), and the capacity is per rank's group of tokens, as in GShard.
 import torch
 import torch.distributed as dist
 
-from .distenv import all_gather_single, reduce_scatter_single
+from ..runtime.distenv import all_gather_single, reduce_scatter_single
 
 
 class AllToAll(torch.autograd.Function):

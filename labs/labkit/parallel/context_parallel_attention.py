@@ -23,8 +23,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
-from . import distenv
-from .time_model import context_parallel_chunks
+from ..runtime import distenv
+from ..predict.time_model import context_parallel_chunks
 
 _noted = None   # while counting: {storage pointer: tensor} of attention probabilities made
 

@@ -1,6 +1,6 @@
 """Run a lab under torchrun from a notebook or a test, and get its results back.
 
-    from labkit.launch import run_lab
+    from labkit.runtime.launch import run_lab
     result = run_lab("grad_averaging", nproc=4, args=["--steps", 30])
 
 It runs `python -m torch.distributed.run --standalone --nproc_per_node=N labs/<lab>.py ...`
@@ -24,7 +24,7 @@ import threading
 import uuid
 from pathlib import Path
 
-LABS_DIR = Path(__file__).resolve().parent.parent   # labs/, where the lab scripts are
+LABS_DIR = Path(__file__).resolve().parents[2]   # labs/, where the lab scripts are
 REPO_DIR = LABS_DIR.parent
 ERROR_TAIL_LINES = 60  # how much of a failing lab's output goes into the exception
 # A lab still running after this long is killed, and its output so far goes into the error.

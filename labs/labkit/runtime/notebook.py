@@ -1,9 +1,9 @@
 """What a chapter needs besides its labs: its first cell is
 
     import sys; sys.path.insert(0, "../labs")    # labs/, from book/ or _notebooks/
-    from labkit.notebook import run_lab, glue, table, plt, np
+    from labkit.runtime.notebook import run_lab, glue, table, plt, np
 
-  run_lab        launch a lab under torchrun and get its JSON back (labkit.launch)
+  run_lab        launch a lab under torchrun and get its JSON back (labkit.runtime.launch)
   lab_failure    launch a lab that must fail (a pitfall) and get the line that says why
                  (and, in .output, all it printed)
   glue           put a number computed in a cell into the prose, {glue:text}`name`

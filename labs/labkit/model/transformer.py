@@ -125,7 +125,7 @@ def random_batch(shape, batch, generator, device):
 def add_shape_args(parser, default):
     """--layers --hidden --heads --seq --vocab, each a positive integer, `default`'s values
     by default: the model options of every lab that trains this transformer."""
-    from .distenv import positive_int
+    from ..runtime.distenv import positive_int
     for field in dataclasses.fields(Shape):
         parser.add_argument(f"--{field.name}", type=positive_int,
                             default=getattr(default, field.name), help=f"model {field.name}")
@@ -133,7 +133,7 @@ def add_shape_args(parser, default):
 
 def shape_from_args(args):
     """The Shape the options give, or exit with one line saying what is wrong with it."""
-    from .distenv import fail
+    from ..runtime.distenv import fail
     shape = Shape(*(getattr(args, field.name) for field in dataclasses.fields(Shape)))
     problem = shape.check()
     if problem:

@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .arguments import (ArgumentParser, LabInputError, at_least, choice_list, fail,  # noqa: F401
-                        int_list, lab_name, number_above, positive_int)
+from ..predict.arguments import (ArgumentParser, LabInputError, at_least,  # noqa: F401
+                                 choice_list, fail, int_list, lab_name, number_above, positive_int)
 
 DEFAULT_TIMEOUT_S = 120  # a missing peer fails after this long instead of hanging
 

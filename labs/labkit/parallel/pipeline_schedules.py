@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .memory_model import stage_layers
+from ..predict.memory_model import stage_layers
 
 
 def split_pieces(model, pieces):

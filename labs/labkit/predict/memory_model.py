@@ -488,7 +488,7 @@ def context_parallel_layer_activation_bytes(seq, batch, hidden, heads, cp, tp=1,
 # Mixture of experts: parameters in total, per token (active) and per rank.
 
 def moe_transformer_params(layers, hidden, vocab, seq, experts, ffn_hidden, experts_held=None):
-    """Parameters of labs/labkit/moe.py's transformer: the course's transformer whose MLPs
+    """Parameters of labs/labkit/model/moe.py's transformer: the course's transformer whose MLPs
     are E experts h -> f -> h (2hf + f + h each) behind a router (hE + E). On an
     expert-parallel rank `experts_held` = E / ep of them; everything else is replicated."""
     held = experts if experts_held is None else experts_held

@@ -27,8 +27,8 @@ import dataclasses
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import distenv
-from .transformer import Shape, next_token_loss, random_batch
+from ..runtime import distenv
+from ..model.transformer import Shape, next_token_loss, random_batch
 
 
 def apply_ddp(model, device, comm_hook=None, hook_state=None, **options):

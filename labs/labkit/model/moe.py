@@ -14,7 +14,7 @@ al. 2021):
   balance    the auxiliary loss E x sum_e f_e P_e, with f_e the share of the k T routed
              slots that went to expert e and P_e the mean probability of e (Switch, eq. 4)
 
-Where the experts live is the dispatcher's business (labkit/expert_dispatch.py): all here
+Where the experts live is the dispatcher's business (labkit/parallel/expert_dispatch.py): all here
 (`LocalExperts`), or sharded over ranks and reached by all-to-all or all-gather.
 """
 
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .comm_model import expert_capacity
+from ..predict.comm_model import expert_capacity
 from .transformer import Block, Embedding, Head
 
 

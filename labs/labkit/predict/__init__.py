@@ -1,0 +1,19 @@
+"""The predictions: every formula the book computes, written once and called by the labs,
+the chapters, the tests and the sizing page.
+
+  comm_model     communication: bytes per rank of each collective and parallelism, bus
+                 bandwidth, alpha-beta times
+  memory_model   memory: ZeRO states, parameters, activations, shard layouts, stages
+  time_model     time: efficiency, Amdahl, DDP's buckets, step time, a layer's FLOPs
+  failure_model  failures at scale: how often a job fails, what checkpoints cost, goodput
+  hang_model     where each rank of a job out of step waits, and for how long
+  hardware       the GPU node the book's extrapolations assume, with its sources
+  planner        the planner of five dimensions (labs/plan.py is its command line)
+  sizing         the sizing page's entry point: a form's fields in, the planner's answer out
+  arguments      argparse types and the one-line error shared by every command line
+
+The rule of this folder: it imports the standard library and itself, nothing else. No
+torch (the sizing page copies the folder whole into the site and runs it in the reader's
+browser with Pyodide), and nothing from labkit's other folders, which import torch.
+tests/test_plan.py imports every module found here with torch made unimportable.
+"""
