@@ -177,15 +177,20 @@ def save_seconds(model, directory):
 def run(args, env):
     shape = shape_from_args(args)
     directory = Path(args.dir)
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    restart = env.restarts   # the job's, the same on every rank (not this node's count)
     model = make(shape, args, env)
     resumed = load(model, directory, env)
     env.print0(f"attempt {restart + 1}: " + (f"resumed from the checkpoint of step {resumed}"
                                              if resumed else "no checkpoint, from the start"))
     saved_steps = []
     for step in range(resumed, args.steps):
-        if restart == 0 and step == args.fail_at_step and env.rank == args.fail_rank:
-            os._exit(1)   # a crash: no clean-up, no word to the other ranks
+        if restart == 0 and step == args.fail_at_step:
+            if env.rank == args.fail_rank:
+                os._exit(1)   # a crash: no clean-up, no word to the other ranks
+            # the others busy outside any collective (as ranks blocked inside an NCCL one
+            # are, which fail only at the watchdog's timeout): their agent, not a failure
+            # of theirs, stops them, and counts no restart
+            time.sleep(args.survivors_busy_s)
         model.train_step(*next_batch(shape, env))
         if (step + 1) % args.every == 0 and step + 1 < args.steps:
             save(model, step + 1, directory, env)
@@ -230,6 +235,11 @@ def parse_args(argv=None):
     parser.add_argument("--fail-at-step", type=distenv.at_least(0), default=None,
                         help="on the first attempt, kill --fail-rank when it reaches this step")
     parser.add_argument("--fail-rank", type=distenv.at_least(0), default=0)
+    parser.add_argument("--survivors-busy-s", type=distenv.number_above(0, inclusive=True), default=0.0,
+                        metavar="SECONDS",
+                        help="at --fail-at-step, the other ranks first spend this long outside "
+                             "any collective, so that on two nodes the healthy node's agent "
+                             "restarts them as a membership change")
     add_shape_args(parser, SHAPE)
     args = parser.parse_args(None if argv is None else [str(a) for a in argv])
     shape_from_args(args)

@@ -1,12 +1,18 @@
 """The resilience lab: a rank killed mid-run, the group restarted by torchrun, the run resumed
 from its last DCP checkpoint. The chapter runs the kill, the restart and the resume on three
 ranks and asserts that the final parameters equal an uninterrupted run's bit for bit
-(at_scale.md, hidden cells); here a world of one and bad input."""
+(at_scale.md, hidden cells); here a world of one, bad input, and two torchrun agents as two
+nodes, where one node's failure restarts the other's ranks without counting there."""
 
 import json
+import os
+import subprocess
+import sys
+
+import pytest
 
 import resilience
-from conftest import assert_fails_with_one_line, assert_refused
+from conftest import LABS, assert_fails_with_one_line, assert_refused
 
 
 def test_bad_input_is_refused_in_one_line(script, tmp_path):
@@ -28,3 +34,43 @@ def test_a_run_that_never_saves_still_reports(script, tmp_path):
     assert result["max_param_diff_vs_uninterrupted"] == 0.0
     assert result["max_param_diff_resumed_without_rng_state"] is None
     assert result["max_param_diff_resumed_with_ddp_buckets"] == 0.0   # one rank: no sums
+
+
+def launch_two_nodes(tmp_path, env_extra):
+    """Two torchrun agents on this machine as two nodes of one rank each, meeting through a
+    c10d rendezvous, with one restart each (a per-node budget). Rank 1, on the second node,
+    crashes at step 3 while rank 0 sleeps outside any collective: the first node's agent
+    then stops its worker for the new round (a membership change, counted as no restart
+    there), the second node's agent restarts its crashed one (counted). Returns each
+    agent's (exit status, output) and rank 0's JSON."""
+    from labkit.runtime.launch import free_port
+    port, out = free_port(), tmp_path / "result.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", **env_extra)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+               "--nproc_per_node=1", "--max-restarts=1", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two-nodes",
+               str(LABS / "resilience.py"), "--dir", str(tmp_path / "ckpt"), "--steps", "6",
+               "--every", "2", "--fail-at-step", "3", "--fail-rank", "1",
+               "--survivors-busy-s", "5", "--timeout", "60", "--out", str(out)]
+    agents = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outputs = [agent.communicate(timeout=240)[0] for agent in agents]
+    return [(agent.returncode, text) for agent, text in zip(agents, outputs)], out
+
+
+@pytest.mark.parametrize("share_store", ["0", "1"], ids=["agent-store", "own-store"])
+def test_two_nodes_restart_as_one_group_when_one_node_fails(tmp_path, share_store):
+    """torch's default (the agents' store shared with the workers, kept across restarts)
+    and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a new store for each start). The new group
+    forms at once, with no second failure, and resumes bit-identically; restart_count is the
+    job's, though the two agents count 0 and 1."""
+    agents, out = launch_two_nodes(tmp_path, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": share_store})
+    for status, text in agents:
+        assert status == 0, text
+    logs = "".join(text for _, text in agents)
+    assert logs.count("failed (exitcode") == 1, logs      # the crash, and nothing else
+    assert "Connection refused" not in logs and "connectFullMesh" not in logs, logs
+    result = json.loads(out.read_text())
+    assert result["world_size"] == 2 and result["restart_count"] == 1
+    assert result["resumed_from_step"] == 2 and result["lost_steps"] == 1
+    assert result["max_param_diff_vs_uninterrupted"] == 0.0

@@ -26,6 +26,7 @@ import re
 import socket
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -127,6 +128,52 @@ def count_ranks_on_host(store, world_size, host_key):
     return store.add(f"ranks-on/{host_key}", 0), slot
 
 
+def this_start(store, rank, world_size, timeout):
+    """(a store private to this start of the group, the job's restart count), agreed by all
+    ranks through the rendezvous store.
+
+    torchrun's agent keeps its store for the whole job (torch >= 2.5 shares it with the
+    workers), so a group started again finds the keys of the start before: the peers' old
+    addresses, which gloo would try to reach (pytorch#135712). Nor can the keys be put under
+    TORCHELASTIC_RESTART_COUNT: torchrun counts restarts per agent, and an agent whose
+    workers were stopped because another node failed (a membership change) does not count
+    it, so two nodes' ranks would look under two prefixes and never meet.
+
+    So rank 0 names this start afresh (a random id) and says so under a fixed key; every
+    other rank answers under that id with a random id of its own and waits for rank 0 to
+    reply under its id. A rank that read the name of a start before (its rank 0 died with
+    it) gets no reply, reads the name again until it changes and answers the new one: no key of an earlier start can
+    reply to an id made in this process. The answers carry each rank's restart count;
+    rank 0 replies with the largest, the restarts of the agent that has spent most of its
+    --max-restarts budget, the same number on every rank.
+    """
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if rank == 0:
+        start = uuid.uuid4().hex
+        store.set("lab/start", start)
+        answers = [f"lab/{start}/answer/{peer}" for peer in range(1, world_size)]
+        store.wait(answers, timeout)   # raises DistStoreError after --timeout
+        mine = [store.get(key).decode().split() for key in answers]
+        job_restarts = max([restarts] + [int(count) for _, count in mine])
+        for me, _ in mine:
+            store.set(f"lab/{start}/reply/{me}", str(job_restarts))
+        return dist.PrefixStore(f"lab/{start}", store), job_restarts
+    me, deadline = uuid.uuid4().hex, time.monotonic() + timeout.total_seconds()
+    start = None
+    while True:
+        named = store.get("lab/start").decode()   # waits for the key up to --timeout
+        if named != start:   # a first name, or a new one: the one read before was dead
+            start = named
+            store.set(f"lab/{start}/answer/{rank}", f"{me} {restarts}")
+        if store.check([f"lab/{start}/reply/{me}"]):
+            break
+        if time.monotonic() > deadline:
+            raise dist.DistStoreError(f"no reply from rank 0 within {timeout}")
+        time.sleep(0.02)   # polled, not waited on: a wait that times out warns each time
+    job_restarts = int(store.get(f"lab/{start}/reply/{me}"))
+    return dist.PrefixStore(f"lab/{start}", store), job_restarts
+
+
 def host_key():
     """This machine and the GPUs this process sees: ranks with the same key share GPUs."""
     return f"{socket.gethostname()}:{os.environ.get('CUDA_VISIBLE_DEVICES', '*')}"
@@ -179,6 +226,9 @@ class DistEnv:
     lab: str = dataclasses.field(default_factory=lab_name)
     fp32: dict = dataclasses.field(default_factory=dict)   # exact_fp32()'s settings
     group: object = None   # the process group the lab runs on: None is the world
+    # torchrun's restarts of this job, the same on every rank: the largest of its agents'
+    # counts (TORCHELASTIC_RESTART_COUNT is per agent; see this_start)
+    restarts: int = 0
 
     def within(self, group):
         """This rank as one of `group`'s (a --sub-worlds group, of ranks 0 to k-1): its rank
@@ -367,15 +417,14 @@ def initialize(args, simulate_world_size=None, cpu_group=False):
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     timeout = datetime.timedelta(seconds=args.timeout)
     store, ranks_on_host, slot = None, local_world_size, local_rank
+    restarts = 0
     try:
         if under_launcher and simulate_world_size is None:
-            # torchrun's store (or MASTER_ADDR/MASTER_PORT). Each attempt keeps its keys
-            # under its own prefix: a group that torchrun started again would otherwise
-            # find the attempt before's keys (the peers' old addresses, which gloo would
-            # try to reach) in the agent's store.
+            # torchrun's store (or MASTER_ADDR/MASTER_PORT), seen through a namespace of
+            # this start of the group alone (this_start: torchrun may keep the store of
+            # the start before, and counts restarts per node)
             store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
-            store = dist.PrefixStore(
-                f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+            store, restarts = this_start(store, rank, world_size, timeout)
             if args.backend != "gloo" and gpus:
                 # Another agent on this host numbers its ranks from 0 too: count them all
                 # before giving each a GPU (only where NCCL is possible; costs milliseconds).
@@ -406,7 +455,7 @@ def initialize(args, simulate_world_size=None, cpu_group=False):
              f"--timeout {args.timeout:g} s ({first_line})", every_rank=True)
     torch.manual_seed(args.seed)
     env = DistEnv(rank, world_size, local_rank, local_world_size, backend, device,
-                  simulated=simulate_world_size is not None, fp32=fp32)
+                  simulated=simulate_world_size is not None, fp32=fp32, restarts=restarts)
     # Importing torch leaves about a million objects for the garbage collector to scan on
     # every full collection (0.1 s each, here). None of them will ever be garbage: frozen,
     # they are skipped, and the collections below look only at what the lab made.
