@@ -13,8 +13,13 @@ order than the run it continues, which from 3 ranks on changes the last bits.
 With --fail-at-step S --fail-rank R, rank R exits at once (os._exit, as a crash would: no
 clean-up, no message to its peers) when it reaches step S on the first attempt. Run under
 `torchrun --max-restarts=1`, the agent sees the dead worker, stops the others, and starts
-the whole group again; the new attempt (TORCHELASTIC_RESTART_COUNT = 1) finds the
-checkpoint, loads it, and trains the steps that are left. At the end the same processes
+the whole group again; the new attempt finds the checkpoint, loads it, and trains the steps
+that are left. On several nodes, the other nodes' agents restart their workers too, as a
+membership change that they do not count: TORCHELASTIC_RESTART_COUNT is per agent, so the
+lab takes the job's count, the largest of its agents' (distenv's `this_start`), to know
+that the crash has happened. With --survivors-busy-s, the other ranks spend that long
+outside any collective at the failing step, so that their agent stops them before they
+find the dead peer themselves, as on NCCL, where they would wait in the collective. At the end the same processes
 train the same model again from the start without failing or saving, and the two results
 must be equal bit for bit.
 
@@ -22,12 +27,16 @@ Launch lines (from the repository root):
   laptop, gloo on CPU:  torchrun --standalone --nproc_per_node=2 --max-restarts=1 \\
                           labs/resilience.py --dir ckpt --fail-at-step 7 --fail-rank 1
   GPU box, NCCL:        the same with --nproc_per_node=8
-  two nodes (run on each, HOST = node 0's address; --dir on a shared file system):
+  two nodes (run on each, HOST = node 0's address; --dir on a shared file system;
+  the variable gives each start of the group its own store, which a plain
+  init_process_group needs after a restart, pytorch#135712):
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 \\
     torchrun --nnodes=2 --nproc_per_node=8 --max-restarts=1 --rdzv-backend=c10d \\
              --rdzv-endpoint=HOST:29500 --rdzv-id=resilience labs/resilience.py \\
-             --dir /shared/ckpt --fail-at-step 7 --fail-rank 9
+             --dir /shared/ckpt --fail-at-step 7 --fail-rank 9 --survivors-busy-s 5
 
-JSON: `restart_count`, `resumed_from_step` (0 when nothing was loaded), `lost_steps` (the
+JSON: `restart_count` (the job's restarts: the largest count of its agents, the same on
+every rank), `resumed_from_step` (0 when nothing was loaded), `lost_steps` (the
 steps trained after the last checkpoint and trained again),
 `max_param_diff_vs_uninterrupted`, `max_param_diff_resumed_without_rng_state` (the same
 resume with the generator left as a fresh start seeds it, so that the steps after the
