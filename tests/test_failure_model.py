@@ -53,3 +53,34 @@ def test_the_simulation_s_best_interval_is_young_daly_s():
 def test_without_failures_only_the_saves_cost():
     g = failure_model.simulate_goodput(600, 60, 300, 1e15, 100 * HOUR)
     assert g == pytest.approx(600 / 660, rel=1e-3)
+
+
+def test_daly_s_first_order_optimum_is_young_s_less_one_save():
+    # Daly (2006): tau_opt = sqrt(2 delta M) - delta, for delta < M / 2
+    assert failure_model.daly_interval(60, 3 * HOUR) == pytest.approx(
+        math.sqrt(2 * 60 * 10800) - 60)
+    with pytest.raises(ValueError):
+        failure_model.daly_interval(HOUR, HOUR)
+
+
+def test_an_async_save_protects_nothing_until_it_is_written():
+    """A save that stalls 6 s and goes on writing for 20 min: each failure loses W on top
+    of half an interval, in the formula and in the simulation alike; and a save cannot
+    start before the last one is written (tau >= W)."""
+    stall, write, restart, mtbf = 6.0, 1200.0, 300.0, 3 * HOUR
+    assert failure_model.young_daly_interval(stall, mtbf) == pytest.approx(
+        math.sqrt(2 * stall * mtbf))                  # 360 s, shorter than the write
+    tau = failure_model.young_daly_interval(stall, mtbf, write)
+    assert tau == write
+    durable = failure_model.expected_goodput(tau, stall, restart, mtbf)
+    written_late = failure_model.expected_goodput(tau, stall, restart, mtbf, write)
+    assert durable - written_late == pytest.approx(tau / (tau + stall) * write / mtbf)
+    assert durable - written_late > 0.1
+    late = [failure_model.simulate_goodput(tau, stall, restart, mtbf, 2000 * HOUR, seed,
+                                           write_s=write) for seed in range(3)]
+    safe = [failure_model.simulate_goodput(tau, stall, restart, mtbf, 2000 * HOUR, seed)
+            for seed in range(3)]
+    assert sum(late) / 3 == pytest.approx(written_late, abs=0.02)
+    assert sum(safe) / 3 == pytest.approx(durable, abs=0.02)
+    with pytest.raises(ValueError):
+        failure_model.expected_goodput(30, stall, restart, mtbf, write)
