@@ -17,11 +17,13 @@ the whole group again; the new attempt finds the checkpoint, loads it, and train
 that are left. On several nodes, the other nodes' agents restart their workers too, as a
 membership change that they do not count: TORCHELASTIC_RESTART_COUNT is per agent, so the
 lab takes the job's count, the largest of its agents' (distenv's `this_start`), to know
-that the crash has happened. With --survivors-busy-s, the other ranks spend that long
+that the crash has happened (an agent counts a restart only when its own workers failed,
+so which agents count one is a race between the healthy ranks meeting the dead peer and
+their agent seeing the new round). With --survivors-busy-s, the other ranks spend that long
 outside any collective at the failing step, so that their agent stops them before they
-find the dead peer themselves, as on NCCL, where they would wait in the collective. At the end the same processes
-train the same model again from the start without failing or saving, and the two results
-must be equal bit for bit.
+meet the dead peer: the case where a healthy node counts nothing. At the end the same
+processes train the same model again from the start without failing or saving, and the
+two results must be equal bit for bit.
 
 Launch lines (from the repository root):
   laptop, gloo on CPU:  torchrun --standalone --nproc_per_node=2 --max-restarts=1 \\
@@ -196,9 +198,8 @@ def run(args, env):
         if restart == 0 and step == args.fail_at_step:
             if env.rank == args.fail_rank:
                 os._exit(1)   # a crash: no clean-up, no word to the other ranks
-            # the others busy outside any collective (as ranks blocked inside an NCCL one
-            # are, which fail only at the watchdog's timeout): their agent, not a failure
-            # of theirs, stops them, and counts no restart
+            # the others busy outside any collective, a long forward, say: their agent,
+            # not a failure of theirs, stops them, and counts no restart
             time.sleep(args.survivors_busy_s)
         model.train_step(*next_batch(shape, env))
         if (step + 1) % args.every == 0 and step + 1 < args.steps:

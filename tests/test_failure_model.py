@@ -55,12 +55,12 @@ def test_without_failures_only_the_saves_cost():
     assert g == pytest.approx(600 / 660, rel=1e-3)
 
 
-def test_daly_s_first_order_optimum_is_young_s_less_one_save():
-    # Daly (2006): tau_opt = sqrt(2 delta M) - delta, for delta < M / 2
+def test_daly_s_leading_terms_are_young_s_less_one_save():
+    # Daly (2006): tau_opt = sqrt(2 delta M) [1 + ...] - delta, for delta < 2 M
     assert failure_model.daly_interval(60, 3 * HOUR) == pytest.approx(
         math.sqrt(2 * 60 * 10800) - 60)
     with pytest.raises(ValueError):
-        failure_model.daly_interval(HOUR, HOUR)
+        failure_model.daly_interval(2 * HOUR, HOUR)
 
 
 def test_an_async_save_protects_nothing_until_it_is_written():

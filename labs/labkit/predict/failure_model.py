@@ -10,7 +10,8 @@ name says otherwise.
   young_daly_interval the checkpoint interval that loses the least time, Young's
                       sqrt(2 C M) (1974), C the time a save stalls training; never
                       shorter than W, the time an asynchronous save goes on writing
-  daly_interval       Daly's first-order optimum (2006), sqrt(2 C M) - C
+  daly_interval       the leading terms of Daly's higher-order optimum (2006),
+                      sqrt(2 C M) - C
   expected_goodput    the useful fraction of time at interval tau, to first order:
                       tau / (tau + C) x (1 - (R + (tau + C) / 2 + W) / M), R the time to
                       restart; a save protects nothing until it is written, W after its
@@ -59,11 +60,11 @@ def young_daly_interval(checkpoint_s, mtbf_s, write_s=0.0):
 
 
 def daly_interval(checkpoint_s, mtbf_s):
-    """Daly's first-order optimum (Daly 2006, eq. 37's leading terms), sqrt(2 C M) - C, for
-    C < M / 2: Young's interval less one save. The two differ by C, which matters only once
-    a save is no longer short against the MTBF."""
-    if not 0 <= checkpoint_s < mtbf_s / 2:
-        raise ValueError("Daly's first-order optimum needs 0 <= C < M / 2")
+    """The leading terms of Daly's higher-order optimum (Daly 2006),
+    sqrt(2 C M) [1 + ...] - C for C < 2 M: Young's interval less one save. The two differ
+    by C, which matters only once a save is no longer short against the MTBF."""
+    if not 0 <= checkpoint_s < 2 * mtbf_s:
+        raise ValueError("Daly's estimate holds for 0 <= C < 2 M")
     return math.sqrt(2 * checkpoint_s * mtbf_s) - checkpoint_s
 
 
