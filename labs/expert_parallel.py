@@ -9,9 +9,10 @@ rank's batch a group of its own: its own capacity, its own load-balancing loss).
   dense                      one process holds every expert: the reference
   alltoall                   E/N experts per rank; dispatch and combine with
                              all_to_all_single and uneven splits (labkit/parallel/expert_dispatch.py)
-  allgather                  Megatron-Core's all-gather dispatcher: every rank gets every
-                             token, computes its experts' slots, and a reduce-scatter
-                             returns the sums
+  allgather                  an all-gather dispatcher: every rank gets every token (with
+                             its k gates and expert ids), computes its experts' slots, and
+                             a reduce-scatter returns the sums (the lab's form of
+                             Megatron-Core's MoEAllGatherTokenDispatcher)
   ep_dp                      EP x DP: ep = N/2 ranks share the experts, dp = 2 replicas of
                              them (N odd: dp = 1); the rest averaged over all N ranks, each
                              expert's gradient over its dp replicas (no ZeRO-1 here)
@@ -21,8 +22,10 @@ rank's batch a group of its own: its own capacity, its own load-balancing loss).
                              dropped that `dense` keeps, and counted
 
 After them, rank 0 trains `dense` with a router biased towards two experts for
---balance-steps steps, with and without the load-balancing loss, and records the load
-imbalance (the busiest expert's tokens over the mean) at each step.
+--balance-steps steps, left alone, with the load-balancing loss, and with DeepSeek-V3's
+auxiliary-loss-free balancing (a bias per expert, for choosing only, stepped after each
+step), and records the load imbalance (the busiest expert's tokens over the mean) at each
+step.
 
 Launch lines (from the repository root):
   laptop, gloo on CPU:  torchrun --standalone --nproc_per_node=4 labs/expert_parallel.py \\
@@ -39,7 +42,8 @@ predicted_comm_bytes_per_rank (a list, one per rank: uneven routing sends uneven
 collectives {op: count}, sent_tokens (per layer, [from rank][to rank]), tokens_per_expert
 (per layer, all ranks' routed slots), dropped_tokens, param_bytes_per_rank,
 predicted_param_bytes_per_rank}}, counted over the last training step; `load_balance`
-{aux_loss_weight: [imbalance per step]}; `shape`, `batch`, `tokens_per_rank`, `capacity`.
+{aux_loss_weight, bias_speed, imbalance: {none, aux_loss, expert_bias: [imbalance per
+step]}}; `shape`, `batch`, `tokens_per_rank`, `capacity`.
 """
 
 import dataclasses
@@ -66,6 +70,7 @@ LEARNING_RATE = 0.1
 AUX_LOSS_WEIGHT = 0.01
 SMALL_CAPACITY_FACTOR = 0.5
 BALANCE_STEPS, BALANCE_LR, BALANCE_AUX_WEIGHT, ROUTER_BIAS = 12, 0.5, 0.1, 2.0
+BALANCE_BIAS_SPEED = 0.02     # the expert bias's step (DeepSeek-V3: 0.001 over far more steps)
 VARIANTS = ("dense", "alltoall", "allgather", "ep_dp", "combine_in_dispatch_order",
             "capacity_too_small")
 PITFALLS = ("combine_in_dispatch_order", "capacity_too_small")
@@ -224,10 +229,12 @@ def report(name, model, dispatcher, counters, layout_, args, shape, env, ref):
 
 
 def load_balance(args, shape, env):
-    """max/mean slots per expert at each step, with and without the load-balancing loss,
-    from a router whose bias favours experts 0 and 1 (mean over the layers)."""
-    result = {}
-    for weight in (0.0, BALANCE_AUX_WEIGHT):
+    """max/mean slots per expert at each step from a router whose bias favours experts 0
+    and 1 (mean over the layers): left alone, with the load-balancing loss, and with
+    DeepSeek-V3's bias per expert instead of a loss (labkit/model/moe.py)."""
+    imbalances = {}
+    for name, weight, speed in (("none", 0.0, 0.0), ("aux_loss", BALANCE_AUX_WEIGHT, 0.0),
+                                ("expert_bias", 0.0, BALANCE_BIAS_SPEED)):
         model = build(args, shape)
         for layer in model.moe_layers():
             with torch.no_grad():
@@ -242,8 +249,12 @@ def load_balance(args, shape, env):
             imbalance.append((counts.max(1).values / counts.mean(1)).mean().item())
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        result[str(weight)] = imbalance
-    return result
+            if speed:
+                for layer, layer_counts in zip(model.moe_layers(), counts):
+                    layer.update_expert_bias(layer_counts, speed)
+        imbalances[name] = imbalance
+    return {"aux_loss_weight": BALANCE_AUX_WEIGHT, "bias_speed": BALANCE_BIAS_SPEED,
+            "imbalance": imbalances}
 
 
 def run(args, env):

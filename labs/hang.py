@@ -7,24 +7,38 @@ Every rank runs --steps steps of all-reduces; in step --at-step, rank --rank bre
                    they are doing (TORCH_DISTRIBUTED_DEBUG=DETAIL names the op and both
                    shapes before anything is sent)
   sleep            it sleeps past --timeout before the all-reduce: the others give up
+  exit             it exits (status 0, as a rank that returned early would) before the
+                   all-reduce: on gloo its connections close and the others fail at once
 
 None of them may hang. The process group's --timeout ends each wait, and every rank then
 says in one line which all-reduce it was in, how long it waited, and what it was told.
 What each rank issues is labkit/predict/hang_model.py's lab_program, from which the same model
 predicts where each rank ends and after how long (where_ranks_wait).
---dump-stacks-after S makes every rank print the stack of every thread after S seconds
-(faulthandler.dump_traceback_later; rank r 0.3 r s later, so that the dumps do not mix),
-which is how a stuck job shows where it is stuck;
-`kill -USR1 PID` does the same at any time (faulthandler on a signal), and py-spy dump
---pid PID from outside.
+--dump-stacks-after S is a progress alarm: every rank prints the stack of every thread once
+one of its steps has run S seconds (faulthandler.dump_traceback_later, armed again at each
+step; rank r 0.3 r s later, so that the dumps do not mix), which is how a stuck job shows
+where it is stuck, in a collective or outside any; `kill -USR2 PID` prints them at any time
+(faulthandler on SIGUSR2; SIGUSR1 is left to a training loop's checkpoint-and-requeue), and
+py-spy dump --pid PID from outside.
+
+On NCCL the lab sets TORCH_NCCL_BLOCKING_WAIT=1 (unless set), so that a timed-out wait
+raises in the rank's own thread and the rank says its line; ProcessGroupNCCL then starts
+no watchdog, and no flight recorder is written. --flight-recorder PREFIX leaves blocking
+wait off and sets the flight recorder's variables, under this torch's names
+(hang_model.flight_recorder_env: TORCH_FR_BUFFER_SIZE=2000, TORCH_NCCL_DUMP_ON_TIMEOUT=1,
+TORCH_FR_DUMP_TEMP_FILE=PREFIX; before 2.8, TORCH_NCCL_TRACE_BUFFER_SIZE and
+TORCH_NCCL_DEBUG_INFO_TEMP_FILE): the watchdog finds the stuck collective, every rank
+writes PREFIX<rank>, and the watchdog tears the process down (after --timeout and the
+minute it leaves the dump in current releases), without a line of the lab's own. Read
+the dumps with `torchfrtrace DIR`. NCCL only: gloo has no watchdog.
 
 Launch lines (from the repository root):
   laptop, gloo on CPU:   torchrun --standalone --nproc_per_node=2 labs/hang.py \\
                            --mode skip_collective --timeout 3
   the mismatch named:    TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun --standalone \\
                            --nproc_per_node=2 labs/hang.py --mode wrong_shape --timeout 3
-  GPU box, NCCL:         the same with --nproc_per_node=8; the NCCL watchdog and flight
-                           recorder (TORCH_NCCL_*) say more, see the chapter
+  GPU box, NCCL:         the same with --nproc_per_node=8; with the watchdog and the
+                           flight recorder: ... --timeout 30 --flight-recorder fr/rank_
 
 It always fails (exit status 1) once a mode breaks step; with --mode none it runs clean
 and writes JSON: `steps`, `mode`.
@@ -34,6 +48,7 @@ import faulthandler
 import os
 import re
 import signal
+import sys
 import time
 
 import torch
@@ -48,13 +63,17 @@ NUMEL = 4
 # --dump-stacks-after: rank r dumps this much later than rank r - 1, so that the ranks'
 # dumps, which share one log, come one after another instead of interleaved line by line
 DUMP_STAGGER_S = 0.3
+# `kill -USR2 PID`: every thread's stack. Not SIGUSR1, which a training loop under SLURM
+# takes for checkpoint-and-requeue (the chapter on running at scale).
+STACKS_SIGNAL = signal.SIGUSR2
 
 
 def issue(call, env):
     """One collective of the rank's program (hang_model.lab_program): the all-reduce, its
     sums checked, or the barrier."""
-    # async_op=True, then wait(): on NCCL a collective called without it returns no work,
-    # and under TORCH_NCCL_BLOCKING_WAIT it is work.wait() that raises at the timeout
+    # async_op=True, then wait(): since torch 2.8, ProcessGroupNCCL hands a collective
+    # called without it to the watchdog but returns no work, so nothing calls wait() on
+    # it; under TORCH_NCCL_BLOCKING_WAIT it is work.wait() that raises at the timeout
     if call.op == "barrier":
         dist.barrier(async_op=True).wait()
         return
@@ -88,15 +107,44 @@ def program(args, rank):
                                   NUMEL, args.timeout)
 
 
+def dump_stacks_on_signal():
+    """`kill -USR2 PID` prints every thread's stack, and the process goes on."""
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)
+
+
 def run(args, env):
-    if args.dump_stacks_after is not None:
-        faulthandler.dump_traceback_later(args.dump_stacks_after + DUMP_STAGGER_S * env.rank,
-                                          exit=False)
     for call in program(args, env.rank):
+        if args.dump_stacks_after is not None:
+            # the progress alarm, armed again for each step (it replaces the last one)
+            faulthandler.dump_traceback_later(
+                args.dump_stacks_after + DUMP_STAGGER_S * env.rank, exit=False)
         time.sleep(call.late_s)   # outside any collective, as a slow rank would be
         guarded(call.label, lambda: issue(call, env), env)
     faulthandler.cancel_dump_traceback_later()
+    if args.mode == "exit" and env.rank == args.rank:
+        # it leaves: no clean-up, no goodbye to the group, its connections simply close
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return {"steps": args.steps, "mode": args.mode}
+
+
+def arm_flight_recorder(prefix):
+    """Leave blocking wait off, so that ProcessGroupNCCL's watchdog runs, and have every
+    rank record its last collectives and write them to `prefix`<rank> on a timeout."""
+    if os.environ.get("TORCH_NCCL_BLOCKING_WAIT", "0") not in ("0", ""):
+        distenv.fail("--flight-recorder needs blocking wait off: "
+                     "unset TORCH_NCCL_BLOCKING_WAIT")
+    # this torch's names for them (hang_model.flight_recorder_env): the prefix as asked,
+    # the buffer's size and the dump on timeout unless already set
+    for name, value in hang_model.flight_recorder_env(torch.__version__, prefix).items():
+        if name.endswith("_FILE"):
+            os.environ[name] = value
+        else:
+            os.environ.setdefault(name, value)
+    folder = os.path.dirname(prefix)
+    if folder:
+        os.makedirs(folder, exist_ok=True)
 
 
 def parse_args(argv=None):
@@ -108,7 +156,12 @@ def parse_args(argv=None):
     parser.add_argument("--rank", type=distenv.at_least(0), default=1,
                         help="the rank that breaks step")
     parser.add_argument("--dump-stacks-after", type=float, default=None, metavar="S",
-                        help="every rank prints every thread's stack after S seconds")
+                        help="a progress alarm: every rank prints every thread's stack once "
+                             "a step has run S seconds")
+    parser.add_argument("--flight-recorder", default=None, metavar="PREFIX",
+                        help="NCCL: leave blocking wait off (the watchdog ends a stuck "
+                             "collective) and write each rank's flight recorder to "
+                             "PREFIX<rank>")
     args = parser.parse_args(None if argv is None else [str(a) for a in argv])
     if args.at_step >= args.steps:
         distenv.fail(f"--at-step {args.at_step} is past the last step ({args.steps - 1})")
@@ -117,14 +170,21 @@ def parse_args(argv=None):
 
 def main():
     args = parse_args()
-    faulthandler.register(signal.SIGUSR1, all_threads=True)   # kill -USR1 PID: the stacks
-    # On NCCL a timed-out collective is otherwise found by the watchdog thread, which
-    # aborts the process (SIGABRT) before the rank can say what it was doing; with
+    dump_stacks_on_signal()   # kill -USR2 PID: the stacks
+    # On NCCL a timed-out collective is otherwise found by ProcessGroupNCCL's watchdog
+    # thread, which tears the process down before the rank can say what it was doing; with
     # blocking wait (no watchdog then, and no flight-recorder dump), the wait on each
-    # collective's work raises at --timeout and `guarded` reports it. (Read when the group
-    # is created; gloo ignores it.)
-    os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
+    # collective's work raises at --timeout and `guarded` reports it. --flight-recorder
+    # chooses the watchdog and its dump instead. (Read when the group is created; gloo
+    # ignores them.)
+    if args.flight_recorder:
+        arm_flight_recorder(args.flight_recorder)
+    else:
+        os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
     with distenv.initialize(args) as env:
+        if args.flight_recorder and env.backend != "nccl":
+            distenv.fail(f"--flight-recorder needs NCCL: {env.backend} has no watchdog "
+                         f"to find a stuck collective, and writes no dump")
         if args.mode != "none" and env.world_size < 2:
             distenv.fail("a rank can only fall out of step with another: run 2 or more")
         if args.mode != "none" and args.rank >= env.world_size:

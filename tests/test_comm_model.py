@@ -250,3 +250,28 @@ def test_a_pipeline_stage_issues_only_its_own_tensor_parallel_collectives():
         total = sum(comm_model.collectives_summary(s, t)[0] for s in stages)
         assert total == comm_model.collectives_summary(comm_model.tensor_parallel_collectives(
             layers, seq, batch, hidden, t, sp), t)[0]
+
+
+def test_node_limited_dispatch_by_hand():
+    # 8 experts on 4 nodes (2 each), home node 0: a token to experts {1, 2} reaches node 1
+    # once (node 0 is home); {2, 3} node 1 once, not twice; {4, 7} nodes 2 and 3
+    ids = [[1, 2], [2, 3], [4, 7], [0, 1]]
+    assert comm_model.node_dispatch_rows(ids, 8, 4, home_node=0) == 1 + 1 + 2 + 0
+    # one row per (token, expert) pair away from home would be 1 + 2 + 2 + 0
+    # uniform routing, E = 4 on 2 nodes, k = 2: the other node is missed only when both
+    # experts are home, C(2, 2) / C(4, 2) = 1/6: 5/6 copies a token
+    assert comm_model.expected_network_copies(4, 2, 2) == Fraction(5, 6)
+    assert comm_model.expected_network_copies(4, 2, 2, once_per_node=False) == 1
+    # DeepSeek-V3's 256 experts on 8 nodes, 8 per token, at most 4 nodes: 4 x 7/8 at most
+    assert comm_model.expected_network_copies(256, 8, 8, node_limit=4) == Fraction(7, 2)
+    assert comm_model.expected_network_copies(256, 8, 8, once_per_node=False) == 7
+    assert comm_model.node_limited_dispatch_bytes(10, 3, 2, 4, 2) == 10 * 3 * 2 * Fraction(5, 6)
+
+
+def test_expected_network_copies_match_a_count_of_random_routings():
+    rng = torch.Generator().manual_seed(0)
+    experts, nodes, k, tokens = 64, 8, 6, 20000
+    ids = torch.rand(tokens, experts, generator=rng).topk(k).indices.tolist()
+    counted = comm_model.node_dispatch_rows(ids, experts, nodes, home_node=3) / tokens
+    expected = float(comm_model.expected_network_copies(experts, nodes, k))
+    assert counted == pytest.approx(expected, rel=0.01)

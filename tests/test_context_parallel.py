@@ -167,3 +167,66 @@ def test_ring_overlap_threshold_by_hand():
     n = 4
     pairs_after_step_0 = time_model.causal_chunk_pairs(n, "zigzag")[0] - 3   # step 0: 3 pairs
     assert pairs_after_step_0 == 2 * (n - 1)                                  # 2 per step
+
+
+def test_ring_implementations_by_hand():
+    ring = comm_model.ring_attention_layer_bytes
+    # s = 8, b = 1, N = 4, h_kv = 2, bf16: a hop passes K and V of 2 tokens, 8 values
+    assert ring("lab", 8, 1, 4, 2) == 2 * 3 * 8 * 2 == 96          # 2 (N-1) hops
+    assert ring("lab", 8, 1, 4, 2) == 2 * comm_model.context_parallel_layer_values(
+        "ring", 8, 1, 2, 4)
+    assert ring("liu", 8, 1, 4, 2) == 6 * 8 * 2 * 2 == 192         # N + 2N hops: 6 s b h_kv
+    assert ring("torch", 8, 1, 4, 2) == 96 + 4 * 8 * 4 == 224      # + N hops of dK, dV in fp32
+    assert ring("torch", 8, 1, 1, 2) == ring("liu", 8, 1, 1, 2) == 0
+    with pytest.raises(ValueError, match="unknown implementation"):
+        ring("deepspeed", 8, 1, 4, 2)
+
+
+def test_ulysses_copies_too_few_key_value_heads_by_hand():
+    ulysses = comm_model.ulysses_layer_values
+    # s = 8, b = 1, h = 8, N = 4: 2 (N-1)/N^2 s = 3; one key-value head of 2
+    assert ulysses(8, 1, 8, 4, 2) == 3 * (16 + 4) == 60                     # split 4 ways
+    assert ulysses(8, 1, 8, 4, 2, kv_heads=1) == 3 * (16 + 2 * 2 * 4) == 96  # copied 4 times
+    assert ulysses(8, 1, 8, 4, 8, kv_heads=4) == ulysses(8, 1, 8, 4, 8) == 96
+    assert comm_model.context_parallel_layer_values("ulysses", 8, 1, 8, 4, 2) == 60
+    assert ulysses(12, 1, 6, 6, 3, kv_heads=3) == ulysses(12, 1, 6, 6, 6)    # copied twice
+    with pytest.raises(ValueError, match="do not split over 4 ranks"):
+        ulysses(8, 1, 8, 4, 6, kv_heads=6)
+    with pytest.raises(ValueError, match="neither split nor copied"):
+        ulysses(12, 1, 6, 6, 4, kv_heads=4)
+
+
+def test_hybrid_of_ulysses_and_ring_by_hand():
+    hybrid = comm_model.hybrid_context_parallel_layer_values
+    # s = 16, b = 1, h = h_kv = 8, u = r = 2 (N = 4):
+    # 2 (u-1)/(u N) s (2h + 2h_kv) = 2/8 * 16 * 32 and 4 (r-1)/N s h_kv = 4/4 * 16 * 8
+    assert hybrid(16, 1, 8, 2, 2) == {"ulysses": 128, "ring": 128}
+    values = comm_model.context_parallel_layer_values
+    assert hybrid(16, 1, 8, 1, 4) == {"ulysses": 0, "ring": values("ring", 16, 1, 8, 4)}
+    assert hybrid(16, 1, 8, 4, 1) == {"ulysses": values("ulysses", 16, 1, 8, 4), "ring": 0}
+    # one key-value head of 2 and u = 2: copied twice, h_kv' = 4, and each GPU's ring
+    # passes its one head: 4 (r-1)/N s h_kv' = 4/4 * 16 * 4
+    assert hybrid(16, 1, 8, 2, 2, kv_hidden=2, kv_heads=1) == {
+        "ulysses": Fraction(2, 8) * 16 * (16 + 8), "ring": 16 * 4}
+
+
+def test_attention_products_flops_by_hand():
+    # s = 4, b = 1, h = 2: one product 2 * 4 * 4 * 2 = 64 FLOPs
+    assert time_model.attention_products_flops(4, 1, 2) == {"forward": 128, "backward": 320}
+    assert time_model.attention_products_flops(4, 1, 2, fused=False) == {"forward": 128,
+                                                                          "backward": 256}
+    assert time_model.attention_products_flops(4, 1, 2, kv_seq=8)["forward"] == 256
+
+
+def test_packed_documents_balance_per_document_by_hand():
+    pairs = time_model.document_causal_pairs_by_rank
+    # one document of 16, N = 2, chunks of 4: 10, 26, 42, 58 pairs; zig-zag 10 + 58, 26 + 42
+    assert pairs([16], 2, "zigzag") == pairs([16], 2, "per_document") == [68, 68]
+    # documents of 12 and 4: chunks 10, 26, 42 (the 12's) and 10 (the 4's)
+    assert pairs([12, 4], 2, "zigzag") == [10 + 10, 26 + 42]
+    # per document: the 12 in chunks of 3 (6, 15, 24, 33), the 4 in chunks of 1 (1, 2, 3, 4)
+    assert pairs([12, 4], 2, "per_document") == [6 + 33 + 1 + 4, 15 + 24 + 2 + 3]
+    with pytest.raises(ValueError, match="every document must split into 4 chunks"):
+        pairs([10, 6], 2, "per_document")
+    with pytest.raises(ValueError, match="unknown layout"):
+        pairs([16], 2, "striped")

@@ -54,9 +54,11 @@ def test_bytes_and_parameters_as_predicted(result):
     assert alltoall["collectives"] == {"all_to_all": 5 * SHAPE.layers, "all_reduce": 1}
 
 
-def test_the_load_balancing_loss_evens_the_load(result):
-    without, with_aux = result["load_balance"].values()
-    assert without[0] == with_aux[0] and with_aux[-1] < without[-1]
+def test_the_load_balancing_loss_and_the_expert_bias_even_the_load(result):
+    runs = result["load_balance"]["imbalance"]
+    without, with_aux, with_bias = runs["none"], runs["aux_loss"], runs["expert_bias"]
+    assert without[0] == with_aux[0] == with_bias[0]
+    assert with_aux[-1] < without[-1] and with_bias[-1] < without[-1]
 
 
 def test_alltoall_bytes_by_hand():
@@ -115,3 +117,21 @@ def test_refusals_in_one_line(script):
     assert_fails_with_one_line(script("expert_parallel", "--steps", 0),
                                "--steps must be at least 1")
 
+
+
+def test_the_expert_bias_chooses_but_does_not_weight():
+    import torch
+    from labkit.model.moe import MoEConfig, MoELayer, route
+    logits = torch.tensor([[2.0, 1.0, 0.0], [0.0, 1.0, 2.0]]).log()   # probs ∝ 2, 1, 0 ...
+    probs = logits.softmax(-1)
+    plain = route(logits, 1, 10.0)
+    assert plain.idx.tolist() == [[0], [2]]
+    # a bias of 0.5 on expert 1 makes it the choice of both tokens; the gates stay p_1
+    biased = route(logits, 1, 10.0, torch.tensor([0.0, 0.5, 0.0]))
+    assert biased.idx.tolist() == [[1], [1]]
+    assert torch.equal(biased.gates, probs[:, 1:2])
+    # after a step: down by the speed where above the mean count, up where below
+    layer = MoELayer(4, MoEConfig(3, 1, 10.0, 2))
+    layer.update_expert_bias(torch.tensor([4, 1, 1]), 0.25)
+    layer.update_expert_bias(torch.tensor([2, 2, 2]), 0.25)
+    assert layer.expert_bias.tolist() == [-0.25, 0.25, 0.25]

@@ -3,18 +3,24 @@
 (labkit/predict/hang_model.py), within the group's timeout, with a message, never a hang: the
 skipped all-reduce with every thread's stack, the wrong shape in gloo's words,
 TORCH_DISTRIBUTED_DEBUG=DETAIL naming the mismatched op and shapes, the sleeping rank given
-up on. Here the model by hand, the lab against it on 3 ranks, the run where no rank breaks
-step, and bad input."""
+up on. Here the model by hand (on gloo and on NCCL, a rank that has left, a straggler), the
+lab against it on 3 ranks, a rank that exits, the run where no rank breaks step, the stack
+dump on SIGUSR2, the flight-recorder option, and bad input."""
 
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
 
 import pytest
 
 import hang
 from conftest import assert_fails_with_one_line, assert_refused
 from labkit.predict import hang_model
-from labkit.predict.hang_model import BACKEND, NAMED, TIMEOUT, Collective, Wait
+from conftest import LABS
+from labkit.predict.hang_model import BACKEND, CLOSED, NAMED, TIMEOUT, Collective, Wait
 from labkit.runtime.launch import LabError, run_lab
 
 T = 2.0
@@ -111,3 +117,103 @@ def test_on_nccl_what_differs_is_up_to_the_backend_and_a_barrier_is_an_all_reduc
     # DETAIL compares what the program called, whatever the backend sends
     assert hang_model.where_ranks_wait([one, barrier], T, checked=True, backend="nccl")[1] == (
         Wait("the barrier", 0.0, NAMED))
+
+
+def test_a_rank_that_has_left_closes_gloo_at_once_and_is_waited_for_on_nccl():
+    # rank 1 exits before the all-reduce of step 2: the others are alone at that place
+    left = programs("exit", 3)
+    assert [len(p) for p in left] == [6, 2, 6]
+    at_step_2 = "the all-reduce of step 2"
+    assert hang_model.where_ranks_wait(left, T) == {
+        r: Wait(at_step_2, 0.0, CLOSED) for r in (0, 2)}
+    assert hang_model.where_ranks_wait(left, T, backend="nccl") == {
+        r: Wait(at_step_2, T, TIMEOUT) for r in (0, 2)}
+    # DETAIL's monitored barrier runs over gloo whatever the backend: rank 0 names it
+    for backend in hang_model.BACKENDS:
+        assert hang_model.where_ranks_wait(left, T, checked=True, backend=backend) == {
+            0: Wait(at_step_2, 0.0, NAMED), 2: Wait(at_step_2, 0.0, CLOSED)}
+    # rank 0 itself gone: nobody names anyone
+    assert hang_model.where_ranks_wait(programs("exit", 2, breaking_rank=0), T,
+                                       checked=True) == {1: Wait(at_step_2, 0.0, CLOSED)}
+    with pytest.raises(ValueError):
+        hang_model.where_ranks_wait(left, T, backend="mpi")
+    with pytest.raises(ValueError):
+        hang_model.lab_program("deadlock", 0, 5, 2, 1, 4, T)
+
+
+def test_a_straggler_makes_the_others_wait_and_waits_least_itself():
+    late = 0.3   # rank 2's data loader, 0.3 s slow at every step
+    steps = [[Collective(f"step {s}", "all_reduce", 4, late_s=late * (r == 2))
+              for s in range(5)] for r in range(4)]
+    waits = hang_model.collective_waits(steps, T)
+    assert waits[2] == 0.0
+    assert all(waits[r] == pytest.approx(5 * late) for r in (0, 1, 3))
+    assert hang_model.where_ranks_wait(steps, T) == {}   # it never hangs: it is only slow
+    # each step, a different rank the slowest: everyone waits, no one stands out as much
+    rotating = [[Collective(f"step {s}", "all_reduce", 4, late_s=late * (r == s % 4))
+                 for s in range(4)] for r in range(4)]
+    rotated = hang_model.collective_waits(rotating, T)
+    assert list(rotated.values()) == pytest.approx([3 * late] * 4)
+    # the waits stop where the program stops matching (the skip run's fifth place)
+    skip = hang_model.collective_waits(programs("skip_collective", 2), T)
+    assert skip == {0: 0.0, 1: 0.0}
+
+
+def test_a_rank_that_exits_ends_the_others_at_once_on_gloo():
+    """The exit run on 2 ranks: rank 1 leaves before the all-reduce of step 2, and rank 0,
+    in that all-reduce, is told at once (its connection closed), not after the timeout."""
+    timeout = 20
+    with pytest.raises(LabError) as failed:
+        run_lab("hang", 2, ["--mode", "exit", "--timeout", timeout], echo=False)
+    said = str(failed.value)
+    predicted = hang_model.where_ranks_wait(
+        [hang.program(hang.parse_args(["--mode", "exit", "--timeout", timeout]), r)
+         for r in range(2)], timeout)
+    assert predicted == {0: Wait("the all-reduce of step 2", 0.0, CLOSED)}
+    ended = re.findall(r"rank 0: the all-reduce of step 2 ended after ([\d.]+) s", said)
+    assert ended and float(ended[0]) < timeout / 4, said
+    assert "rank 1:" not in said   # the rank that left says nothing
+
+
+def test_every_thread_s_stack_on_sigusr2_and_sigusr1_left_alone():
+    """`kill -USR2 PID` prints the stacks and the process goes on; SIGUSR1 is left to a
+    training loop (checkpoint-and-requeue, in the chapter on running at scale)."""
+    assert hang.STACKS_SIGNAL == signal.SIGUSR2
+    code = ("import os, hang; hang.dump_stacks_on_signal(); "
+            "os.kill(os.getpid(), hang.STACKS_SIGNAL); print('still running')")
+    done = subprocess.run([sys.executable, "-c", code], cwd=LABS, capture_output=True,
+                          text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(LABS), OMP_NUM_THREADS="1"))
+    assert done.returncode == 0 and "still running" in done.stdout, done.stderr
+    assert "most recent call first" in done.stderr, done.stderr
+
+
+def test_the_flight_recorder_option_leaves_blocking_wait_off_and_needs_nccl(
+        script, tmp_path, monkeypatch):
+    # what to set, by release: the names each reads first (no deprecation warning)
+    assert hang_model.flight_recorder_env("2.7.1+cu126", "fr/rank_") == {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "fr/rank_"}
+    assert hang_model.flight_recorder_env("2.8.0", "fr/rank_") == {
+        "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": "fr/rank_"}
+    assert [hang_model.flight_recorder_default_entries(f"2.{minor}.0")
+            for minor in range(6, 14)] == [0] * 5 + [2000] * 3
+    variables = ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE",
+                 "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+                 "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_BLOCKING_WAIT")
+    for name in variables:
+        monkeypatch.delenv(name, raising=False)
+    prefix = str(tmp_path / "fr" / "rank_")
+    hang.arm_flight_recorder(prefix)
+    armed = {name: os.environ[name] for name in variables if name in os.environ}
+    assert armed == hang_model.flight_recorder_env(hang.torch.__version__, prefix)
+    assert (tmp_path / "fr").is_dir()   # blocking wait left off, the folder made
+    monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "1")
+    with pytest.raises(SystemExit) as refused:
+        hang.arm_flight_recorder(prefix)
+    assert "blocking wait off" in str(refused.value)
+    monkeypatch.delenv("TORCH_NCCL_BLOCKING_WAIT")
+    # on gloo there is no watchdog to write the dump: refused in one line
+    assert_fails_with_one_line(script("hang", "--mode", "none", "--flight-recorder", prefix),
+                               "--flight-recorder needs NCCL")

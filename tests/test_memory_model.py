@@ -303,3 +303,59 @@ def test_a_pipeline_s_fullest_stage_holds_the_most_micro_batches():
     checkpointed = memory_model.config_bytes_per_gpu(*args, pp=4, microbatches=8,
                                                      checkpointing=True)
     assert checkpointed["activations"] < one_f_one_b["activations"] / 4
+
+
+def test_dualpipe_holds_two_copies_of_the_parameters():
+    one = memory_model.moe_bytes_per_gpu(2048, 16, 64)
+    two = memory_model.moe_bytes_per_gpu(2048, 16, 64, param_copies=2)
+    params = memory_model.deepseek_v3_params()
+    rest, expert = params["other"] / 16, params["routed_experts"] / 1024
+    # 2 + 2 bytes of weights and gradients, 12 of state over 128 (the rest) or 2 replicas
+    assert one["total"] == pytest.approx(4 * rest + 12 * rest / 128 + 4 * expert + 12 * expert / 2)
+    assert two["total"] == pytest.approx(2 * one["total"])
+    assert two["params_per_gpu"] == pytest.approx(2 * (rest + expert))
+    assert 21e9 < two["total"] < 22e9 and 10e9 < one["total"] < 11e9
+
+
+def test_dualpipe_micro_batches_follow_its_schedule():
+    # DualPipe.step (deepseek-ai/DualPipe, dualpipe/dualpipe.py) replayed: forwards and
+    # backwards of phase 0 and 1 in the order of its eight steps; the most held per phase
+    def replay(p, m, rank):
+        hr, half_ranks, half = min(rank, p - 1 - rank), p // 2, m // 2
+        order = (["F0"] * 2 * (half_ranks - hr - 1) + ["F0", "F1"] * (hr + 1)
+                 + ["B1", "F1"] * (half_ranks - hr - 1)
+                 + ["F0", "B1", "F1", "B0"] * (half - p + hr + 1)
+                 + ["B1", "F1", "B0"] * (half_ranks - hr - 1) + ["B1", "B0"] * (hr + 1)
+                 + ["B0"] * (half_ranks - hr - 1))
+        held, most = [0, 0], [0, 0]
+        for op in order:
+            held[int(op[1])] += 1 if op[0] == "F" else -1
+            most = [max(most[0], held[0]), max(most[1], held[1])]
+        assert held == [0, 0]
+        return most
+    for p in (2, 4, 8, 16):
+        for m in (2 * p, 2 * p + 2, 6 * p):
+            ranks = memory_model.dualpipe_peak_microbatches(p, m)
+            for rank, ((s0, a), (s1, b)) in enumerate(ranks):
+                assert (s0, s1) == (rank, p - 1 - rank) and a + b == p + 1
+                # phase 0 is the direction fed from this rank's own end of the pipeline
+                first_half = rank < p // 2
+                assert replay(p, m, rank) == ([a, b] if first_half else [b, a])
+    assert memory_model.dualpipe_peak_microbatches(4, 8)[0] == ((0, 4), (3, 1))
+    for bad in ((3, 12), (4, 7), (4, 6)):
+        with pytest.raises(ValueError, match="DualPipe needs"):
+            memory_model.dualpipe_peak_microbatches(*bad)
+
+
+def test_moe_activations_and_folded_expert_replicas_by_hand():
+    # h = 4, f = 2, k = 2, one shared expert, SwiGLU: 2 (2 x 4 + 3 x 2) + 3 x 2 = 34
+    assert memory_model.moe_layer_activation_values(4, 2, 2, 1) == 34
+    # GELU (2f), no shared expert, the busiest GPU at 1.5 x the mean: 1.5 x 2 (8 + 4) = 36
+    assert memory_model.moe_layer_activation_values(4, 2, 2, 0, 2, load=1.5) == 36
+    # Megatron-Core's example: 256 GPUs as TP 4 x CP 2 x DP 8 x PP 4 for attention; the
+    # experts as ETP 1 x EP 64 x EDP 1 x PP 4, or ETP 4 x EP 8 x EDP 2
+    assert memory_model.expert_data_parallel_size(256, 4, 64) == 1
+    assert memory_model.expert_data_parallel_size(256, 4, 8, etp=4) == 2
+    assert memory_model.expert_data_parallel_size(2048, 16, 64) == 2
+    with pytest.raises(ValueError, match="does not divide 256 GPUs"):
+        memory_model.expert_data_parallel_size(256, 4, 48)

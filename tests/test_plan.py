@@ -338,3 +338,30 @@ def test_when_communication_binds_by_hand():
     degree = comm_model.tensor_parallel_max_degree(28672, rate, beta)
     bsh, ffn = 4096 * 8192, 28672
     assert 4 * bsh * ffn / degree / rate == pytest.approx(2 * 2 * bsh / beta)
+
+
+def test_dualpipe_holds_two_stages_per_rank():
+    model = planner.PRESETS["deepseek-v3"]
+    hw = planner.Hardware(gpus=2048, nvlink_gb_s=160)
+    settings = planner.Settings(global_batch_tokens=15360 * 4096)
+    layout = dict(dp=128, tp=1, pp=16, cp=1, ep=64, chunks=1, micro_batch=1,
+                  microbatches=120, zero="zero1", recompute="full")
+    one = planner.memory(model, layout, settings, hw)
+    two = planner.memory(model, {**layout, "dualpipe": 1}, settings, hw)
+    footprints = planner.stage_footprints(model, 16, 1, 64, 128, "zero1", "full", True)
+    r = two["stage"]
+    assert two["stages"] == (r, 15 - r)
+    # each of its two stages with its own states: weights, gradients and ZeRO-1 state
+    assert two["states"] == footprints[r][0]["total"] + footprints[15 - r][0]["total"]
+    assert one["states"] < two["states"] <= 2 * one["states"]
+    # 16 - r and r + 1 micro-batches' layer inputs (full recomputation), and one layer
+    # rebuilt at a time or the head's logits
+    kept = planner.VALUE_BYTES * model.seq * ((16 - r) * footprints[r][1]
+                                              + (r + 1) * footprints[15 - r][1])
+    rebuilt = planner.VALUE_BYTES * model.seq * max(footprints[r][2], footprints[15 - r][2])
+    assert two["activations"] == pytest.approx(kept + max(rebuilt, two["logits"]))
+    assert planner.parse_layout("tp=1,pp=16,dp=128,ep=64,dualpipe=1")["dualpipe"] == 1
+    assert "DualPipe needs" in planner.why_not(model, {**layout, "pp": 8, "dp": 256, "chunks": 2,
+                                                       "dualpipe": 1}, settings, hw)
+    assert "DualPipe needs" in planner.why_not(model, {**layout, "microbatches": 30,
+                                                       "dualpipe": 1}, settings, hw)

@@ -12,7 +12,12 @@ al. 2021):
              choices (GShard), tokens in order; the rest are dropped: their MLP output is
              zero, the residual carries them on
   balance    the auxiliary loss E x sum_e f_e P_e, with f_e the share of the k T routed
-             slots that went to expert e and P_e the mean probability of e (Switch, eq. 4)
+             slots that went to expert e and P_e the mean probability of e (Switch, eq. 4);
+             or, without a loss, a bias per expert added to the probabilities for choosing
+             the k only, the gates still the unbiased p, and moved by a fixed step after
+             each training step: down for an expert that got more than the mean, up for one
+             that got less (DeepSeek-V3's auxiliary-loss-free balancing, §2.1.2;
+             Megatron-Core's get_updated_expert_bias)
 
 Where the experts live is the dispatcher's business (labkit/parallel/expert_dispatch.py): all here
 (`LocalExperts`), or sharded over ranks and reached by all-to-all or all-gather.
@@ -55,11 +60,17 @@ class Routing:
         return (tokens[keep], self.idx.T.reshape(-1)[keep], self.gates.T.reshape(-1)[keep])
 
 
-def route(logits, top_k, capacity_factor):
-    """Top-k gating with a capacity and the load-balancing loss, for one group of tokens."""
+def route(logits, top_k, capacity_factor, expert_bias=None):
+    """Top-k gating with a capacity and the load-balancing loss, for one group of tokens.
+    `expert_bias` [E], if given, is added to the probabilities to choose the k experts
+    only; the gates are the unbiased probabilities of the chosen."""
     tokens, experts = logits.shape
     probs = logits.softmax(dim=-1)
-    gates, idx = probs.topk(top_k, dim=-1)
+    if expert_bias is None:
+        gates, idx = probs.topk(top_k, dim=-1)
+    else:
+        idx = (probs.detach() + expert_bias).topk(top_k, dim=-1).indices
+        gates = probs.gather(1, idx)
     # each slot's place in its expert's queue: first choices of every token, then seconds
     slots = F.one_hot(idx.T.reshape(-1), experts)                 # [k T, E]
     place = (slots.cumsum(0) * slots).sum(1) - 1
@@ -95,6 +106,15 @@ class MoELayer(nn.Module):
         self.first_expert = 0          # global index of self.experts[0]
         self.dispatcher = LocalExperts()
         self.routing = None
+        self.expert_bias = None        # [E] for auxiliary-loss-free balancing, if enabled
+
+    def update_expert_bias(self, counts, speed):
+        """After a step: each expert's bias down by `speed` if it got more slots than the
+        mean (`counts` [E]), up if fewer (DeepSeek-V3 §2.1.2, its bias update speed)."""
+        if self.expert_bias is None:
+            self.expert_bias = torch.zeros(len(counts), device=counts.device)
+        mean = counts.double().mean()
+        self.expert_bias += speed * torch.sign(mean - counts.double()).to(self.expert_bias.dtype)
 
     def keep_experts(self, first, count):
         """Keep experts [first, first + count) only: what an expert-parallel rank holds."""
@@ -112,7 +132,7 @@ class MoELayer(nn.Module):
     def forward(self, x):
         tokens = x.reshape(-1, x.shape[-1])
         self.routing = route(self.router(tokens), self.config.top_k,
-                             self.config.capacity_factor)
+                             self.config.capacity_factor, self.expert_bias)
         return self.dispatcher(self, tokens, self.routing).view_as(x)
 
 

@@ -138,7 +138,10 @@ def ring_attention(q, k, v, positions, chunks, group=None, rescale=True):
     """Ring attention (Liu et al., 2023): N steps; at step t this rank holds the K and V
     of rank (r - t) mod N, sends it on and computes on it while the next arrives. Work is
     done per pair of chunks (`chunks` per rank: 1 contiguous, 2 zig-zag): a key chunk
-    wholly after a query chunk is skipped, the diagonal one masked."""
+    wholly after a query chunk is skipped, the diagonal one masked. Autograd keeps every
+    block received (the whole sequence's K and V), and RingPass's backward sends their
+    gradients back N - 1 hops: comm_model.ring_attention_layer_bytes("lab"). Liu et al.'s
+    and torch's rings keep only their own block and pass K and V round again in backward."""
     rank, size, _, _ = _peers(group)
     queries = q.chunk(chunks, dim=2)
     query_positions = positions[rank].chunk(chunks)

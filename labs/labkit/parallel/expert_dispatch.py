@@ -9,10 +9,19 @@ ways of getting every token to its experts and back.
                     returns the outputs, which the sender puts back in its tokens' order
                     and weights with its gates. Backward is the same two all-to-alls the
                     other way (a `torch.autograd.Function`).
-  AllGatherExperts  Megatron-Core's all-gather dispatcher (MoEAllGatherTokenDispatcher):
-                    every rank gathers every rank's tokens, gates and expert ids, computes
-                    its own experts' slots, weights them, zeroes the rest, and a
-                    reduce-scatter sums each token's outputs and hands it back to its rank.
+  AllGatherExperts  an all-gather dispatcher: every rank gathers every rank's tokens and
+                    their k gates and expert ids, computes its own experts' slots, weights
+                    them, zeroes the rest, and a reduce-scatter sums each token's outputs
+                    and hands it back to its rank. Megatron-Core's
+                    MoEAllGatherTokenDispatcher (megatron/core/transformer/moe/
+                    token_dispatcher.py) has the same shape but gathers, over TP x EP, the
+                    dense [T, E] probabilities and a [T, E] boolean routing map instead of
+                    the k gates and ids.
+
+The all-to-all needs its split sizes on the host: `all_to_all_single` takes them as Python
+lists, so `.tolist()` waits for the router's counts to reach the CPU (on a GPU, a
+device-to-host copy and a synchronisation per layer, which Megatron-Core's
+MoEAlltoAllTokenDispatcher places at a chosen `cuda_sync_point`).
 
 Each rank routes its own tokens (its own batch: the ranks are data-parallel for everything
 but the experts), and the capacity is per rank's group of tokens, as in GShard.

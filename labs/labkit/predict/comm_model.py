@@ -469,13 +469,89 @@ def context_parallel_layer_values(method, seq, batch, hidden, cp, kv_hidden=None
       allgather  all-gather K and V (2 b s h_kv), reduce-scatter their gradients back:
                  the same 4 (N-1)/N b s h_kv, in two collectives instead of 2 (N-1) sends
       ulysses    all-to-all of Q, K and V to whole heads and of the output back, forward and
-                 backward, each rank keeping 1/N: 2 (N-1)/N^2 b s (2 h + 2 h_kv)"""
+                 backward, each rank keeping 1/N: 2 (N-1)/N^2 b s (2 h + 2 h_kv), with the
+                 key-value heads split N ways (ulysses_layer_values copies them when fewer)
+    The ring is the lab's (context_parallel_attention.ring_attention): autograd keeps every
+    block it receives; ring_attention_layer_bytes gives Liu et al.'s and torch's."""
     kv_hidden = hidden if kv_hidden is None else kv_hidden
     if method in ("ring", "allgather"):
         return Fraction(4 * (cp - 1), cp) * batch * seq * kv_hidden
     if method == "ulysses":
-        return Fraction(2 * (cp - 1), cp * cp) * batch * seq * (2 * hidden + 2 * kv_hidden)
+        return ulysses_layer_values(seq, batch, hidden, cp, kv_hidden)
     raise ValueError(f"unknown method {method!r}; choose from {', '.join(CP_METHODS)}")
+
+
+def ulysses_layer_values(seq, batch, hidden, cp, kv_hidden=None, kv_heads=None):
+    """Values one rank sends for one layer's attention under Ulysses (Jacobs et al. 2023),
+    forward and backward: 2 (N-1)/N^2 b s (2 h + 2 h_kv'), where each all-to-all sends
+    (N-1)/N of the rank's s/N tokens' Q, K and V (h + 2 h_kv' values a token) on the way
+    in and of the output (h) on the way out. With `kv_heads` key-value heads of the h_kv
+    width: N dividing them, each rank gets kv_heads/N whole heads and h_kv' = h_kv; fewer
+    heads than N (dividing N), each is copied N/kv_heads times before the all-to-all, so
+    that every rank receives the one its query heads use: h_kv' = h_kv N / kv_heads.
+    kv_heads=None: split N ways, never copied."""
+    kv_hidden = hidden if kv_hidden is None else kv_hidden
+    if kv_heads is not None and kv_heads < cp:
+        if cp % kv_heads:
+            raise ValueError(f"{kv_heads} key-value heads can be neither split nor copied "
+                             f"evenly over {cp} ranks")
+        kv_hidden = Fraction(kv_hidden * cp, kv_heads)
+    elif kv_heads is not None and kv_heads % cp:
+        raise ValueError(f"{kv_heads} key-value heads do not split over {cp} ranks")
+    return Fraction(2 * (cp - 1), cp * cp) * batch * seq * (2 * hidden + 2 * kv_hidden)
+
+
+RING_IMPLEMENTATIONS = ("lab", "liu", "torch")
+
+
+def ring_attention_layer_bytes(implementation, seq, batch, cp, kv_hidden, value_bytes=2):
+    """Bytes one rank sends for one layer's ring attention, forward and backward, exactly
+    (a Fraction), as each implementation's source does it. A hop passes one rank's block on:
+    K and V, or their gradients, 2 b (s/N) h_kv values.
+      lab    labkit.parallel.context_parallel_attention.ring_attention: N-1 hops of K and V
+             forward; autograd keeps every block received, and backward (RingPass.backward)
+             sends the summed gradients of K and V back N-1 hops, all `value_bytes` wide:
+             4 (N-1)/N b s h_kv values (context_parallel_layer_values' ring)
+      liu    Liu et al.'s ringattention/ringattention_jax.py: _ring_attention_fwd permutes
+             k and v at each of its N steps (the last brings them home), _ring_attention_bwd
+             k, v, dk and dv at each of N: 6 b s h_kv values, `value_bytes` wide (its
+             float32_logits=True casts k, and so dk and dv, to fp32: more; not modelled)
+      torch  torch's _templated_ring_attention: N-1 blocks of K and V forward (one
+             all-gather by default, or N-1 rotations); _templated_ring_attention_backward
+             keeps only its own K and V, fetches them again (N-1 blocks) and passes the
+             gradients of K and V N hops in fp32 (convert_to_f32, default True):
+             4 (N-1)/N b s h_kv values `value_bytes` wide and 2 b s h_kv of 4 bytes
+    One rank (N = 1) sends nothing."""
+    if implementation not in RING_IMPLEMENTATIONS:
+        raise ValueError(f"unknown implementation {implementation!r}; choose from "
+                         f"{', '.join(RING_IMPLEMENTATIONS)}")
+    if cp == 1:
+        return Fraction(0)
+    block = 2 * Fraction(seq, cp) * batch * kv_hidden          # K and V of one rank
+    if implementation == "lab":
+        return 2 * (cp - 1) * block * value_bytes
+    if implementation == "liu":
+        return (cp + 2 * cp) * block * value_bytes
+    return 2 * (cp - 1) * block * value_bytes + cp * block * 4
+
+
+def hybrid_context_parallel_layer_values(seq, batch, hidden, ulysses, ring, kv_hidden=None,
+                                         kv_heads=None):
+    """{"ulysses": values, "ring": values} one rank sends for one layer's attention under
+    a ring of Ulysses groups (USP, Fang and Zhao 2024; Megatron-Core's cp_comm_type
+    "a2a+p2p"): N = ulysses x ring ranks, each with s/N tokens. An all-to-all over the
+    `ulysses` ranks of a group, which hold s/ring tokens, gives each all s/ring tokens of
+    1/ulysses of the heads (ulysses_layer_values on s/ring tokens, key-value heads copied
+    when fewer than `ulysses`); the ring then passes K and V blocks of s/ring tokens and
+    h_kv'/ulysses width over the `ring` groups, as the lab's ring does:
+    4 (ring-1)/ring b s h_kv'/ulysses. ulysses = 1 is the ring, ring = 1 Ulysses."""
+    kv_hidden = hidden if kv_hidden is None else kv_hidden
+    a2a = ulysses_layer_values(Fraction(seq, ring), batch, hidden, ulysses, kv_hidden, kv_heads)
+    if kv_heads is not None and kv_heads < ulysses:
+        kv_hidden = Fraction(kv_hidden * ulysses, kv_heads)
+    passed = context_parallel_layer_values("ring", seq, batch, hidden, ring,
+                                           Fraction(kv_hidden, ulysses))
+    return {"ulysses": a2a, "ring": passed}
 
 
 def context_parallel_collectives(method, layers, seq, batch, hidden, cp, params):
@@ -531,10 +607,13 @@ def alltoall_uniform_bytes(tokens, hidden, top_k, world_size, value_bytes=4):
 
 def allgather_dispatch_bytes(tokens, hidden, top_k, world_size, value_bytes=4,
                              index_bytes=8):
-    """Bytes each rank sends in one MoE layer's forward and backward under Megatron's
-    all-gather dispatcher, whatever the routing: forward, all-gather the T x h tokens, the
-    T x k gates and expert ids, and reduce-scatter the N T x h outputs; backward,
-    reduce-scatter the tokens' and gates' gradients and all-gather the outputs'."""
+    """Bytes each rank sends in one MoE layer's forward and backward under the lab's
+    all-gather dispatcher (labkit/parallel/expert_dispatch.py, AllGatherExperts), whatever
+    the routing: forward, all-gather the T x h tokens, the T x k gates and expert ids, and
+    reduce-scatter the N T x h outputs; backward, reduce-scatter the tokens' and gates'
+    gradients and all-gather the outputs'. Megatron-Core's MoEAllGatherTokenDispatcher
+    has the same hidden-state traffic but gathers, over TP x EP, dense T x E
+    probabilities and a T x E boolean routing map in place of the k gates and ids."""
     n = world_size
     gather = Fraction(n - 1, n) * n * tokens      # bytes_sent_per_rank of the gathered whole
     hidden_rows = 4 * gather * hidden * value_bytes
@@ -551,3 +630,42 @@ def expected_nodes_reached(experts, nodes, top_k, node_limit=None):
     missed = Fraction(math.comb(experts - per_node, top_k), math.comb(experts, top_k))
     reached = nodes * (1 - missed)
     return reached if node_limit is None else min(reached, node_limit)
+
+
+def expected_network_copies(experts, nodes, top_k, node_limit=None, once_per_node=True):
+    """Copies of one token a rank sends over the network in one dispatch, in expectation
+    under uniform routing over E experts spread evenly over `nodes` nodes, the token's own
+    node one of them like any other:
+
+      once_per_node=False  one copy per (token, expert) pair whose expert sits on another
+                           node, as an all-to-all of one row per slot sends (the lab's,
+                           Megatron-Core's alltoall dispatcher): k (nodes - 1) / nodes
+      once_per_node=True   one copy per other node among its experts' nodes, forwarded
+                           inside that node over NVLink (DeepSeek-V3 §3.2.2; DeepEP's
+                           internode dispatch): expected_nodes_reached x (nodes - 1) /
+                           nodes; with node-limited routing at most M (nodes - 1) / nodes
+    """
+    share_away = Fraction(nodes - 1, nodes)
+    if not once_per_node:
+        return top_k * share_away
+    return expected_nodes_reached(experts, nodes, top_k, node_limit) * share_away
+
+
+def node_limited_dispatch_bytes(tokens, hidden, top_k, experts, nodes, node_limit=None,
+                                value_bytes=2):
+    """Bytes one rank sends over the network in one dispatch of its T tokens when each
+    token crosses once to each other node its experts sit on (at most node_limit nodes in
+    all): T h b x expected_network_copies, under uniform routing."""
+    return (tokens * hidden * value_bytes
+            * expected_network_copies(experts, nodes, top_k, node_limit))
+
+
+def node_dispatch_rows(expert_ids, experts, nodes, home_node):
+    """Rows one rank sends over the network in one dispatch, counted from its routing:
+    each token (a list of its k expert ids in expert_ids) once to each distinct node,
+    other than home_node, that holds one of its experts (experts numbered node by node,
+    E / nodes on each), as DeepSeek-V3's kernels and DeepEP's internode dispatch send
+    it (DeepEP's tests count `rdma_idx = topk_idx // (num_experts // num_nodes)`, made
+    unique per token). Node-limited routing makes that at most M - 1 or M per token."""
+    per_node = experts // nodes
+    return sum(len({e // per_node for e in ids} - {home_node}) for ids in expert_ids)

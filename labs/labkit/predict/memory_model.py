@@ -521,8 +521,9 @@ DEEPSEEK_V3 = dict(layers=61, dense_layers=3, hidden=7168, heads=128, q_rank=153
 
 
 def deepseek_v3_params(config=DEEPSEEK_V3):
-    """{total, active, routed_experts, per_moe_layer_routed, other}: parameters of the
-    DeepSeek-V3 layout, all of them and those one token uses (its k routed experts)."""
+    """{total, active, routed_experts, other, shared_experts}: parameters of the
+    DeepSeek-V3 layout, all of them and those one token uses (its k routed experts); the
+    shared experts (DeepSeekMoE's, every token through them) are part of `other`."""
     c = config
     h = c["hidden"]
     attention = mla_attention_params(h, c["heads"], c["q_rank"], c["kv_rank"], c["head_dim"],
@@ -536,22 +537,67 @@ def deepseek_v3_params(config=DEEPSEEK_V3):
     other = c["layers"] * attention + dense + shared + router + 2 * c["vocab"] * h + h
     active_routed = moe_layers * c["top_k"] * swiglu(c["expert_ffn"])
     return {"total": other + routed, "active": other + active_routed, "routed_experts": routed,
-            "other": other}
+            "other": other, "shared_experts": shared}
 
 
-def moe_bytes_per_gpu(gpus, pp, ep, config=DEEPSEEK_V3, zero1=True):
+def expert_data_parallel_size(gpus, pp, ep, etp=1):
+    """Replicas of each routed expert (EDP) when the MoE layers get their own mesh
+    ETP x EP x EDP x PP over the same GPUs as the attention's TP x CP x DP x PP
+    (Megatron-Core's MoE parallel folding, Liu et al. 2025; parallel_state.py,
+    initialize_model_parallel: expert_data_parallel_size = world / (etp ep pp)): so ep
+    need not divide dp, only the GPUs of a pipeline stage."""
+    if gpus % (etp * ep * pp):
+        raise ValueError(f"etp {etp} x ep {ep} x pp {pp} does not divide {gpus} GPUs")
+    return gpus // (etp * ep * pp)
+
+
+def moe_bytes_per_gpu(gpus, pp, ep, config=DEEPSEEK_V3, zero1=True, param_copies=1):
     """Bytes of weights, gradients and Adam state per GPU for DeepSeek-V3's layout: pp
     pipeline stages of equal parameter counts, each MoE layer's routed experts over ep GPUs,
     everything else replicated within a stage; mixed precision (2 + 2 bytes, 12 of fp32
     state), ZeRO-1 sharding the 12 over each parameter's data-parallel replicas: gpus / pp
-    for the rest, gpus / (pp ep) for a routed expert. The course's accounting, not
-    DeepSeek's own storage choices."""
+    for the rest, gpus / (pp ep) (expert_data_parallel_size) for a routed expert. The
+    course's accounting, not DeepSeek's own storage choices.
+
+    param_copies: pipeline stages each GPU holds. 1 under 1F1B; 2 under DualPipe, whose
+    rank i holds stage i and stage pp - 1 - i (DeepSeek-V3 §3.2.1 and Table 2, "2x"
+    parameters; the DualPipe README's table): each copy with its own gradients and its own
+    ZeRO-1 share of the state over the same replicas (the report does not say whether the
+    two copies share their optimizer state)."""
     params = deepseek_v3_params(config)
-    dp_rest, dp_expert = gpus // pp, gpus // (pp * ep)
-    rest = params["other"] / pp
-    experts = params["routed_experts"] / (pp * ep)
+    dp_rest, dp_expert = gpus // pp, expert_data_parallel_size(gpus, pp, ep)
+    rest = param_copies * params["other"] / pp
+    experts = param_copies * params["routed_experts"] / (pp * ep)
     p, g, k = bytes_per_parameter("adam", "mixed")
     state = lambda n, dp: (p + g) * n + k * n / (dp if zero1 else 1)   # noqa: E731
     return {"other": state(rest, dp_rest), "experts": state(experts, dp_expert),
             "total": state(rest, dp_rest) + state(experts, dp_expert),
             "params_per_gpu": rest + experts}
+
+
+def moe_layer_activation_values(hidden, expert_hidden, top_k, shared_experts=0,
+                                inner_per_width=3, load=1):
+    """16-bit values per token that one MoE layer's expert MLPs keep for backward on the
+    GPU holding the experts: each of a token's k routed slots keeps a copy of its input
+    (h: the weight gradient of the first matrix needs it), the expert's inner values
+    (inner_per_width x f: SwiGLU's gate, up and their product 3f; GELU's input and output
+    2f) and the expert's output (h: the gate's gradient needs it); each shared expert,
+    which every token passes through in place, its inner values. `load` is the rows the
+    busiest GPU receives over the mean: 1 when the routing is even, at most the capacity
+    factor with a capacity, the busiest expert's count over the mean when dropless."""
+    routed = top_k * load * (2 * hidden + inner_per_width * expert_hidden)
+    return routed + shared_experts * inner_per_width * expert_hidden
+
+
+def dualpipe_peak_microbatches(stages, microbatches):
+    """Per rank of DualPipe (DeepSeek-V3 §3.2.1), [(stage, micro-batches whose activations
+    it holds at its peak), ...] for the two stages it holds: rank r holds stage r of the
+    micro-batches fed from rank 0 and stage p - 1 - r of those fed from rank p - 1, m/2 of
+    each. Counted from the schedule of DualPipe's dualpipe.py (DualPipe.step): at the first
+    overlapped forward-backward of its main phase rank r holds p - r of the first kind
+    and r + 1 of the second, p + 1 in all on every rank (the README's "PP+1"). step()
+    asserts an even p and an even m >= 2p; so does this."""
+    if stages % 2 or microbatches % 2 or microbatches < 2 * stages:
+        raise ValueError(f"DualPipe needs an even number of stages p and an even number "
+                         f"of micro-batches m >= 2p, got p = {stages} and m = {microbatches}")
+    return [((r, stages - r), (stages - 1 - r, r + 1)) for r in range(stages)]

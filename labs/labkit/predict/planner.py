@@ -8,7 +8,9 @@ meshes, tp innermost, pp outermost: [pp, dp, cp, tp]):
       keys and values pass round a ring, overlapped with the blocks' compute
   dp  data parallelism, with ZeRO 0-3 over the dp x cp ranks that hold the same weights
       (the gradients of cp ranks are reduced together, as Megatron-Core and torchtitan do)
-  pp  pipeline stages, 1F1B or interleaved with v chunks per rank, any m >= 1
+  pp  pipeline stages, 1F1B or interleaved with v chunks per rank, any m >= 1; or
+      DualPipe where a layout names it (dualpipe=1, as DeepSeek-V3 ran): never searched,
+      its memory modelled (two stages per rank), its time priced as 1F1B's
   ep  expert parallelism, for mixture-of-experts shapes: each MoE layer's experts over ep
       of the dp x cp ranks, the experts keeping tp (Megatron-Core's default expert tensor
       parallelism; Megatron-Core carves ep x etp out of tp x cp x dp, torchtitan ep out
@@ -182,9 +184,9 @@ class Model:
         Without a fused attention, the softmax's output: heads x s more per token."""
         h, split_inputs = self.hidden, (tp if sequence_parallel else 1)
         inner_per_width = 2 if self.gpt else 3
-        if self.experts and layer >= self.dense_layers:
-            mlp = (self.top_k * (2 * h + inner_per_width * self.expert_hidden)
-                   + self.shared_experts * inner_per_width * self.expert_hidden)
+        if self.experts and layer >= self.dense_layers:   # the routing taken as even
+            mlp = memory_model.moe_layer_activation_values(
+                h, self.expert_hidden, self.top_k, self.shared_experts, inner_per_width)
         else:
             mlp = inner_per_width * self.ffn
         split = h + 2 * self.kv_dim + h + mlp
@@ -348,7 +350,10 @@ def members_per_node(inner, size, hw):
 def memory(model, layout, settings, hw):
     """{params, grads, optimizer, states, activations, logits, total, stage} bytes on the
     fullest GPU of `layout` (dp, tp, pp, cp, ep, v, micro_batch, microbatches, zero,
-    recompute)."""
+    recompute; dualpipe). With dualpipe = 1, DualPipe (DeepSeek-V3 §3.2.1): rank r holds
+    stages r and pp - 1 - r, each with its own states (two copies of the parameters, the
+    report's Table 2), and the micro-batches of memory_model.dualpipe_peak_microbatches;
+    "stage" is then the rank and "stages" its two stages."""
     tp, pp, cp, ep, v = (layout[k] for k in ("tp", "pp", "cp", "ep", "chunks"))
     b, m, zero, recompute = (layout[k] for k in ("micro_batch", "microbatches", "zero",
                                                   "recompute"))
@@ -358,26 +363,35 @@ def memory(model, layout, settings, hw):
     tokens = model.seq // cp * b                  # of one micro-batch, on this rank
     footprints = stage_footprints(model, pp, tp, ep, replicas, zero, recompute,
                                   settings.flash_attention)
+    if layout.get("dualpipe"):   # [(stage, micro-batches held)] of each rank
+        holdings = memory_model.dualpipe_peak_microbatches(pp, m)
+    else:   # in flight: micro-batches (1F1B) or chunk-micro-batches of 1/v of the layers
+        holdings = [((stage, in_flight[stage] / v),) for stage in range(pp)]
     worst = None
-    for stage, (states, kept, rebuilt) in enumerate(footprints):
-        last = stage == pp - 1
-        # in flight: micro-batches (1F1B) or chunk-micro-batches of 1/v of the layers
-        held = in_flight[stage] / v
+    for rank, held_stages in enumerate(holdings):
+        states = footprints[held_stages[0][0]][0]
+        for stage, _ in held_stages[1:]:
+            states = {k: states[k] + footprints[stage][0][k] for k in states}
+        kept = sum(VALUE_BYTES * tokens * held * footprints[stage][1]
+                   for stage, held in held_stages)
+        rebuilt = max(footprints[stage][2] for stage, _ in held_stages)
+        last = any(stage == pp - 1 for stage, _ in held_stages)
         # the last stage's head: the final norm's input and output (split by sequence
         # parallelism) and the logits' softmax in fp32, split over the vocabulary, for the
         # micro-batch whose backward comes next (memory_model.stage_activation_bytes)
         head = (VALUE_BYTES * 2 * model.hidden / tp + 4 * model.vocab / tp) * tokens if last else 0
         if recompute == "full":   # backward starts at the head, then rebuilds layer by layer
-            activations = VALUE_BYTES * tokens * held * kept + max(
-                VALUE_BYTES * tokens * rebuilt, head)
+            activations = kept + max(VALUE_BYTES * tokens * rebuilt, head)
         else:
-            activations = VALUE_BYTES * tokens * held * kept + head
+            activations = kept + head
         total = states["total"] + activations
         if worst is None or total > worst["total"]:
             worst = {"params": states["params"], "grads": states["grads"],
                      "optimizer": states["optimizer"], "states": states["total"],
                      "activations": activations, "logits": head, "total": total,
-                     "stage": stage}
+                     "stage": rank}
+            if layout.get("dualpipe"):
+                worst["stages"] = tuple(stage for stage, _ in held_stages)
     return worst
 
 
@@ -449,12 +463,11 @@ def step_time(model, layout, settings, hw):
         copies = model.top_k * (ep - 1) / ep
         nv_bytes = VALUE_BYTES * routed_tokens * model.hidden * copies
         if nodes > 1:
-            if model.node_limit:   # one copy per node reached, forwarded inside it
-                reached = float(comm_model.expected_nodes_reached(
-                    model.experts, nodes, model.top_k, model.node_limit))
-                off_node = reached * (nodes - 1) / nodes
-            else:                  # one copy per routed expert on another node
-                off_node = model.top_k * (ep - per_node) / ep
+            # node-limited: one copy per node reached, forwarded inside it; otherwise one
+            # copy per routed expert on another node
+            off_node = float(comm_model.expected_network_copies(
+                model.experts, nodes, model.top_k, model.node_limit or None,
+                once_per_node=bool(model.node_limit)))
             net_bytes = VALUE_BYTES * routed_tokens * model.hidden * off_node
             one = max(hw.network[0] + net_bytes / hw.network[1],
                       hw.nvlink[0] + nv_bytes / hw.nvlink[1])
@@ -496,6 +509,12 @@ def why_not(model, layout, settings, hw):
         return "ep > 1 needs a mixture-of-experts model (--experts)"
     if model.experts and (model.experts % ep or (dp * cp) % ep):
         return f"ep {ep} must divide the {model.experts} experts and dp x cp = {dp * cp}"
+    if layout.get("dualpipe") and (pp % 2 or v > 1):
+        return f"DualPipe needs an even pp and one chunk per stage, got pp {pp}, v {v}"
+    if layout.get("dualpipe") and "microbatches" in layout and (
+            layout["microbatches"] % 2 or layout["microbatches"] < 2 * pp):
+        return (f"DualPipe needs an even number of micro-batches, at least 2 pp = {2 * pp}, "
+                f"got {layout['microbatches']}")
     sequences = settings.global_batch_tokens // model.seq
     if sequences % dp:
         return f"dp {dp} does not divide the batch of {sequences} sequences"
@@ -606,14 +625,16 @@ def rank_layout(model, degrees, settings, hw, found):
 
 
 def parse_layout(text):
-    """'tp=8,pp=16,dp=128[,cp=..,ep=..,v=..]' -> {dp, tp, pp, cp, ep[, chunks]}."""
-    names = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "v": "chunks"}
+    """'tp=8,pp=16,dp=128[,cp=..,ep=..,v=..,dualpipe=1]' -> {dp, tp, pp, cp, ep[, chunks,
+    dualpipe]}."""
+    names = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "v": "chunks",
+             "dualpipe": "dualpipe"}
     layout = {}
     for part in text.split(","):
         key, _, value = part.partition("=")
         key = key.strip()
         if key not in names or not value.strip().isdigit() or int(value) < 1:
-            raise ValueError(f"not a layout: {text!r} (tp=8,pp=16,dp=128[,cp=2,ep=8,v=2], "
+            raise ValueError(f"not a layout: {text!r} (tp=8,pp=16,dp=128[,cp=2,ep=8,v=2,dualpipe=1], "
                              f"each a positive whole number)")
         layout[names[key]] = int(value)
     missing = {"dp", "tp", "pp"} - set(layout)

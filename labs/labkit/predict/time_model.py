@@ -285,3 +285,51 @@ def ring_overlap_min_tokens(hidden, kv_hidden, flops_per_s, bytes_per_s, value_b
     waits on the link; above it the sends hide behind the computation."""
     work = 0.5 if causal else 1
     return value_bytes * kv_hidden * flops_per_s / (2 * work * hidden * bytes_per_s)
+
+
+def attention_products_flops(seq, batch, hidden, kv_seq=None, fused=True):
+    """{"forward", "backward"}: FLOPs of attention's matrix products for `seq` queries
+    against `kv_seq` keys (default the same), no mask, h = heads x head size. Forward,
+    Q K^T and P V: 2 products of 2 b s s_kv h. Backward, dV = P^T dO, dP = dO V^T,
+    dQ = dS K and dK = dS^T Q: 4 more; a fused (FlashAttention-style) kernel keeps no P and
+    recomputes Q K^T first, 5 in all, 2.5 times the forward (the FLOP count of
+    flash-attention's benchmarks/benchmark_flash_attention.py). fused=False: P kept, 4."""
+    kv_seq = seq if kv_seq is None else kv_seq
+    product = 2 * batch * seq * kv_seq * hidden
+    return {"forward": 2 * product, "backward": (5 if fused else 4) * product}
+
+
+def document_causal_pairs_by_rank(doc_lengths, cp, layout):
+    """[(query, key) token pairs rank r's queries attend to] when documents of
+    `doc_lengths` tokens are packed into one sequence under a document-causal mask (a token
+    sees the tokens of its own document up to itself: position - document start + 1 keys).
+      zigzag        the whole sequence cut into 2N chunks, rank r holding r and 2N-1-r
+                    (context_parallel_chunks): balanced for one document, not for several
+      per_document  every document cut into 2N chunks, rank r holding chunks r and 2N-1-r
+                    of each (torch's _PerDocumentHeadTailLoadBalancer): balanced again
+    The count is what a kernel that skips every masked pair does, a lower bound on work."""
+    starts = [sum(doc_lengths[:i]) for i in range(len(doc_lengths))]
+    ends = [s + length for s, length in zip(starts, doc_lengths)]
+
+    def keys(lo, hi):   # keys the queries at positions lo .. hi-1 see, document by document
+        total = 0
+        for start, end in zip(starts, ends):
+            a, b = max(lo, start), min(hi, end)
+            if a < b:   # positions a..b-1 of a document see a-start+1 .. b-start keys
+                total += (b - start) * (b - start + 1) // 2 - (a - start) * (a - start + 1) // 2
+        return total
+
+    zigzag = context_parallel_chunks(cp, "zigzag")
+    if layout == "zigzag":
+        if sum(doc_lengths) % (2 * cp):
+            raise ValueError(f"{sum(doc_lengths)} tokens do not split into {2 * cp} chunks")
+        c = sum(doc_lengths) // (2 * cp)
+        return [sum(keys(q * c, (q + 1) * c) for q in chunks) for chunks in zigzag]
+    if layout == "per_document":
+        if any(length % (2 * cp) for length in doc_lengths):
+            raise ValueError(f"every document must split into {2 * cp} chunks")
+        return [sum(keys(start + q * (length // (2 * cp)),
+                         start + (q + 1) * (length // (2 * cp)))
+                    for start, length in zip(starts, doc_lengths) for q in chunks)
+                for chunks in zigzag]
+    raise ValueError(f"unknown layout {layout!r}; choose from zigzag, per_document")
