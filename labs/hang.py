@@ -27,10 +27,13 @@ no watchdog, and no flight recorder is written. --flight-recorder PREFIX leaves 
 wait off and sets the flight recorder's variables, under this torch's names
 (hang_model.flight_recorder_env: TORCH_FR_BUFFER_SIZE=2000, TORCH_NCCL_DUMP_ON_TIMEOUT=1,
 TORCH_FR_DUMP_TEMP_FILE=PREFIX; before 2.8, TORCH_NCCL_TRACE_BUFFER_SIZE and
-TORCH_NCCL_DEBUG_INFO_TEMP_FILE): the watchdog finds the stuck collective, every rank
-writes PREFIX<rank>, and the watchdog tears the process down (after --timeout and the
-minute it leaves the dump in current releases), without a line of the lab's own. Read
-the dumps with `torchfrtrace DIR`. NCCL only: gloo has no watchdog.
+TORCH_NCCL_DEBUG_INFO_TEMP_FILE; it refuses blocking wait under either of its names, and
+a buffer size of 0 under either name): the watchdog finds the stuck collective, every rank
+writes PREFIX<rank>, and the watchdog tears the process down (after --timeout and, since
+torch 2.8, the minute it leaves the dump), without a line of the lab's own; a rank outside
+any collective (--mode sleep) is ended by its heartbeat monitor some 8 minutes later
+(TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC), or by torchrun once a peer has failed. Read the dumps
+with `torchfrtrace DIR`. NCCL only: gloo has no watchdog.
 
 Launch lines (from the repository root):
   laptop, gloo on CPU:   torchrun --standalone --nproc_per_node=2 labs/hang.py \\
@@ -66,6 +69,8 @@ DUMP_STAGGER_S = 0.3
 # `kill -USR2 PID`: every thread's stack. Not SIGUSR1, which a training loop under SLURM
 # takes for checkpoint-and-requeue (the chapter on running at scale).
 STACKS_SIGNAL = signal.SIGUSR2
+# blocking wait, under the two names ProcessGroupNCCL reads (the second an older alias)
+BLOCKING_WAIT = ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT")
 
 
 def issue(call, env):
@@ -132,16 +137,25 @@ def run(args, env):
 def arm_flight_recorder(prefix):
     """Leave blocking wait off, so that ProcessGroupNCCL's watchdog runs, and have every
     rank record its last collectives and write them to `prefix`<rank> on a timeout."""
-    if os.environ.get("TORCH_NCCL_BLOCKING_WAIT", "0") not in ("0", ""):
-        distenv.fail("--flight-recorder needs blocking wait off: "
-                     "unset TORCH_NCCL_BLOCKING_WAIT")
-    # this torch's names for them (hang_model.flight_recorder_env): the prefix as asked,
-    # the buffer's size and the dump on timeout unless already set
+    # ProcessGroupNCCL reads blocking wait under both names
+    blocking = [name for name in BLOCKING_WAIT if os.environ.get(name, "0") not in ("0", "")]
+    if blocking:
+        distenv.fail(f"--flight-recorder needs blocking wait off: unset {' and '.join(blocking)}")
+    # an inherited 0 would silence the recorder: TORCH_FR_BUFFER_SIZE records nothing, and
+    # ProcessGroupNCCL writes no dump unless TORCH_NCCL_TRACE_BUFFER_SIZE (which it alone
+    # reads, 2000 if unset) is above 0, whatever the other says
+    for name in hang_model.FR_BUFFER_SIZES:
+        value = os.environ.get(name)
+        if value is not None and not (value.strip().isdigit() and int(value) > 0):
+            distenv.fail(f"--flight-recorder needs {name} unset or above 0, not {value!r}: "
+                         f"with it, no collective is recorded or no dump written")
+    # this torch's names for them (hang_model.flight_recorder_env): the prefix as asked and
+    # the dump on timeout on, the buffer's size unless already set (above 0)
     for name, value in hang_model.flight_recorder_env(torch.__version__, prefix).items():
-        if name.endswith("_FILE"):
-            os.environ[name] = value
-        else:
+        if name.endswith("_SIZE"):
             os.environ.setdefault(name, value)
+        else:
+            os.environ[name] = value
     folder = os.path.dirname(prefix)
     if folder:
         os.makedirs(folder, exist_ok=True)

@@ -230,3 +230,26 @@ def test_packed_documents_balance_per_document_by_hand():
         pairs([10, 6], 2, "per_document")
     with pytest.raises(ValueError, match="unknown layout"):
         pairs([16], 2, "striped")
+
+
+def test_torchs_per_document_balancer_cuts_its_order_contiguously():
+    """torch's _PerDocumentHeadTailLoadBalancer orders each document's chunks head-tail,
+    document after document, and _context_parallel_buffers cuts that order into N pieces:
+    [4, 8, 4] at N = 2 gives rank 0 positions [0, 3, 1, 2, 4, 5, 10, 11]."""
+    pairs = time_model.document_causal_pairs_by_rank
+    # [4, 8, 4]: rank 0 the first 4 (10) and the 8's positions 0, 1, 6, 7 (1 + 2 + 7 + 8)
+    assert pairs([4, 8, 4], 2, "torch_per_document") == [10 + 18, 18 + 10]
+    assert pairs([4, 4, 8], 2, "torch_per_document") == [10 + 10, 36]       # unbalanced
+    assert pairs([4, 4, 8], 2, "per_document") == [28, 28]
+    assert pairs([16], 2, "torch_per_document") == pairs([16], 2, "per_document")
+    balancer = pytest.importorskip(
+        "torch.distributed.tensor.experimental._context_parallel._load_balancer")
+    for docs, cp in (([4, 8, 4], 2), ([4, 4, 8], 2), ([8, 16, 24, 8], 4), ([12, 6], 3)):
+        order = balancer._PerDocumentHeadTailLoadBalancer([docs], cp, "cpu")._generate_indices()
+        order = order[0].tolist()
+        if docs == [4, 8, 4]:
+            assert order[:8] == [0, 3, 1, 2, 4, 5, 10, 11]
+        start = [sum(docs[:i]) for i in range(len(docs)) for _ in range(docs[i])]
+        piece = sum(docs) // cp
+        assert pairs(docs, cp, "torch_per_document") == [
+            sum(p - start[p] + 1 for p in order[r * piece:(r + 1) * piece]) for r in range(cp)]

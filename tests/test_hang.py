@@ -201,7 +201,7 @@ def test_the_flight_recorder_option_leaves_blocking_wait_off_and_needs_nccl(
             for minor in range(6, 14)] == [0] * 5 + [2000] * 3
     variables = ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE",
                  "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
-                 "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_BLOCKING_WAIT")
+                 "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT")
     for name in variables:
         monkeypatch.delenv(name, raising=False)
     prefix = str(tmp_path / "fr" / "rank_")
@@ -214,6 +214,35 @@ def test_the_flight_recorder_option_leaves_blocking_wait_off_and_needs_nccl(
         hang.arm_flight_recorder(prefix)
     assert "blocking wait off" in str(refused.value)
     monkeypatch.delenv("TORCH_NCCL_BLOCKING_WAIT")
+    # ProcessGroupNCCL still reads the older alias
+    monkeypatch.setenv("NCCL_BLOCKING_WAIT", "1")
+    with pytest.raises(SystemExit) as refused:
+        hang.arm_flight_recorder(prefix)
+    assert "unset NCCL_BLOCKING_WAIT" in str(refused.value)
+    monkeypatch.delenv("NCCL_BLOCKING_WAIT")
+    # an inherited 0 under either buffer name silences the recorder (ProcessGroupNCCL writes
+    # no dump unless TORCH_NCCL_TRACE_BUFFER_SIZE > 0, whatever TORCH_FR_BUFFER_SIZE says)
+    assert set(hang_model.FR_BUFFER_SIZES) == {"TORCH_NCCL_TRACE_BUFFER_SIZE",
+                                               "TORCH_FR_BUFFER_SIZE"}
+    for name in hang_model.FR_BUFFER_SIZES:
+        for value in ("0", "", "-5"):
+            for other in variables:
+                monkeypatch.delenv(other, raising=False)
+            monkeypatch.setenv(name, value)
+            with pytest.raises(SystemExit) as refused:
+                hang.arm_flight_recorder(prefix)
+            assert f"needs {name} unset or above 0" in str(refused.value), (name, value)
+        monkeypatch.delenv(name)
+    # a positive size is kept; an inherited TORCH_NCCL_DUMP_ON_TIMEOUT=0 is overridden
+    for name in variables:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "500")
+    monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
+    hang.arm_flight_recorder(prefix)
+    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "500"
+    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    for name in variables:
+        monkeypatch.delenv(name, raising=False)
     # on gloo there is no watchdog to write the dump: refused in one line
     assert_fails_with_one_line(script("hang", "--mode", "none", "--flight-recorder", prefix),
                                "--flight-recorder needs NCCL")

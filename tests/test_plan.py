@@ -348,12 +348,20 @@ def test_dualpipe_holds_two_stages_per_rank():
                   microbatches=120, zero="zero1", recompute="full")
     one = planner.memory(model, layout, settings, hw)
     two = planner.memory(model, {**layout, "dualpipe": 1}, settings, hw)
-    footprints = planner.stage_footprints(model, 16, 1, 64, 128, "zero1", "full", True)
+    # stage r sits on ranks r and 15 - r of every pipeline: 2 x 128 replicas of it
+    footprints = planner.stage_footprints(model, 16, 1, 64, 256, "zero1", "full", True)
     r = two["stage"]
     assert two["stages"] == (r, 15 - r)
-    # each of its two stages with its own states: weights, gradients and ZeRO-1 state
+    # each of its two stages with its own weights and gradients, and ZeRO-1 state sharded
+    # over both copies' replicas (as memory_model.moe_bytes_per_gpu(param_copies=2))
     assert two["states"] == footprints[r][0]["total"] + footprints[15 - r][0]["total"]
-    assert one["states"] < two["states"] <= 2 * one["states"]
+    one_copy = planner.stage_footprints(model, 16, 1, 64, 128, "zero1", "full", True)
+    for stage in (r, 15 - r):
+        for part in ("params", "grads"):     # unsharded by ZeRO-1: as many as one copy's
+            assert footprints[stage][0][part] == one_copy[stage][0][part]
+        assert footprints[stage][0]["optimizer"] == pytest.approx(
+            one_copy[stage][0]["optimizer"] / 2)
+    assert one["states"] < two["states"] < 2 * one["states"]
     # 16 - r and r + 1 micro-batches' layer inputs (full recomputation), and one layer
     # rebuilt at a time or the head's logits
     kept = planner.VALUE_BYTES * model.seq * ((16 - r) * footprints[r][1]

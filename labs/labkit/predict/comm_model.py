@@ -544,7 +544,9 @@ def hybrid_context_parallel_layer_values(seq, batch, hidden, ulysses, ring, kv_h
     1/ulysses of the heads (ulysses_layer_values on s/ring tokens, key-value heads copied
     when fewer than `ulysses`); the ring then passes K and V blocks of s/ring tokens and
     h_kv'/ulysses width over the `ring` groups, as the lab's ring does:
-    4 (ring-1)/ring b s h_kv'/ulysses. ulysses = 1 is the ring, ring = 1 Ulysses."""
+    4 (ring-1)/ring b s h_kv'/ulysses. ulysses = 1 is the ring, ring = 1 Ulysses. USP's own
+    ring (yunchang/ring/ring_flash_attn.py, ring_flash_attn_backward) sends what torch's
+    does: ring_attention_layer_bytes("torch", seq, batch, ring, h_kv'/ulysses)."""
     kv_hidden = hidden if kv_hidden is None else kv_hidden
     a2a = ulysses_layer_values(Fraction(seq, ring), batch, hidden, ulysses, kv_hidden, kv_heads)
     if kv_heads is not None and kv_heads < ulysses:

@@ -13,7 +13,8 @@ order, one of five things happens:
   timeout                                group's timeout; the late rank says nothing
   no call from a rank (it has left:      on gloo, its connections close and the others
   its process exited)                    fail at once; on NCCL they wait for the timeout
-                                         (ProcessGroupNCCL's watchdog ends the wait)
+                                         (the timeout ends the wait: wait() under blocking
+                                         wait, as in the lab, else the watchdog)
   different operations                   on gloo, which tags each message with its kind
                                          of operation, none of them completes: every
                                          rank waits there until the group's timeout; on
@@ -53,9 +54,14 @@ CLOSED = "connection closed"
 # 2.8 it reads TORCH_FR_BUFFER_SIZE and TORCH_FR_DUMP_TEMP_FILE first, and the older names
 # (TORCH_NCCL_TRACE_BUFFER_SIZE, TORCH_NCCL_DEBUG_INFO_TEMP_FILE) with a deprecation
 # warning; up to 2.10 its buffer defaults to 0 entries, nothing recorded; from 2.11, to
-# 2000 (pytorch PR #172843). TORCH_NCCL_DUMP_ON_TIMEOUT keeps its name throughout.
+# 2000 (pytorch PR #172843). TORCH_NCCL_DUMP_ON_TIMEOUT keeps its name throughout (its
+# default: off unless TORCH_DISTRIBUTED_DEBUG=DETAIL before pytorch PR #143446, on since).
+# ProcessGroupNCCL writes a dump only if TORCH_NCCL_TRACE_BUFFER_SIZE, which it alone reads
+# (2000 if unset in the releases that read TORCH_FR_*), is above 0: a 0 under either name
+# silences the recorder.
 FR_RENAMED, FR_KEEPS_BY_DEFAULT = (2, 8), (2, 11)
 FR_ENTRIES = 2000
+FR_BUFFER_SIZES = ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +195,9 @@ def flight_recorder_env(torch_version, prefix, entries=FR_ENTRIES):
     """{variable: value} that makes every rank of an NCCL job keep its last `entries`
     collectives and, when one times out or fails, write them to `prefix`<global rank>:
     the names the given torch release reads first, so that none warns of a deprecated one.
-    (The dump is written by ProcessGroupNCCL's threads: none with TORCH_NCCL_BLOCKING_WAIT.)"""
+    (The dump is written by ProcessGroupNCCL's threads: none with TORCH_NCCL_BLOCKING_WAIT;
+    and none if an inherited TORCH_NCCL_TRACE_BUFFER_SIZE is 0, which a caller must refuse
+    or override: FR_BUFFER_SIZES.)"""
     if torch_release(torch_version) >= FR_RENAMED:
         size, dump_file = "TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE"
     else:

@@ -561,15 +561,20 @@ def moe_bytes_per_gpu(gpus, pp, ep, config=DEEPSEEK_V3, zero1=True, param_copies
 
     param_copies: pipeline stages each GPU holds. 1 under 1F1B; 2 under DualPipe, whose
     rank i holds stage i and stage pp - 1 - i (DeepSeek-V3 §3.2.1 and Table 2, "2x"
-    parameters; the DualPipe README's table): each copy with its own gradients and its own
-    ZeRO-1 share of the state over the same replicas (the report does not say whether the
-    two copies share their optimizer state)."""
+    parameters; the DualPipe README's table, which counts parameters). Stage i then sits on
+    pipeline ranks i and pp - 1 - i, and the two copies are one parameter set with twice
+    the replicas: DualPipe's examples/example_dualpipe.py sums the pair's gradients
+    (p0.grad += p1all[pp_size - 1 - rank]). Each copy keeps its own weights and gradients
+    (2 + 2 bytes, doubled); ZeRO-1 shards the 12 bytes of state over all the replicas,
+    2 gpus / pp for the rest and 2 gpus / (pp ep) for a routed expert, so the state per GPU
+    is one copy's."""
     params = deepseek_v3_params(config)
     dp_rest, dp_expert = gpus // pp, expert_data_parallel_size(gpus, pp, ep)
     rest = param_copies * params["other"] / pp
     experts = param_copies * params["routed_experts"] / (pp * ep)
     p, g, k = bytes_per_parameter("adam", "mixed")
-    state = lambda n, dp: (p + g) * n + k * n / (dp if zero1 else 1)   # noqa: E731
+    # every copy of a stage is a replica: the state shards over param_copies x dp of them
+    state = lambda n, dp: (p + g) * n + k * n / (param_copies * dp if zero1 else 1)  # noqa: E731
     return {"other": state(rest, dp_rest), "experts": state(experts, dp_expert),
             "total": state(rest, dp_rest) + state(experts, dp_expert),
             "params_per_gpu": rest + experts}

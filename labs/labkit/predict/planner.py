@@ -10,7 +10,8 @@ meshes, tp innermost, pp outermost: [pp, dp, cp, tp]):
       (the gradients of cp ranks are reduced together, as Megatron-Core and torchtitan do)
   pp  pipeline stages, 1F1B or interleaved with v chunks per rank, any m >= 1; or
       DualPipe where a layout names it (dualpipe=1, as DeepSeek-V3 ran): never searched,
-      its memory modelled (two stages per rank), its time priced as 1F1B's
+      its memory modelled (two stages per rank, ZeRO sharding over both copies'
+      replicas), its time priced as 1F1B's
   ep  expert parallelism, for mixture-of-experts shapes: each MoE layer's experts over ep
       of the dp x cp ranks, the experts keeping tp (Megatron-Core's default expert tensor
       parallelism; Megatron-Core carves ep x etp out of tp x cp x dp, torchtitan ep out
@@ -351,13 +352,18 @@ def memory(model, layout, settings, hw):
     """{params, grads, optimizer, states, activations, logits, total, stage} bytes on the
     fullest GPU of `layout` (dp, tp, pp, cp, ep, v, micro_batch, microbatches, zero,
     recompute; dualpipe). With dualpipe = 1, DualPipe (DeepSeek-V3 §3.2.1): rank r holds
-    stages r and pp - 1 - r, each with its own states (two copies of the parameters, the
-    report's Table 2), and the micro-batches of memory_model.dualpipe_peak_microbatches;
-    "stage" is then the rank and "stages" its two stages."""
+    stages r and pp - 1 - r, two copies of the parameters (the report's Table 2), each with
+    its own weights and gradients; a stage's two copies are one parameter set with twice
+    the replicas (DualPipe's example sums their gradients), so ZeRO shards over 2 dp cp
+    ranks, as memory_model.moe_bytes_per_gpu(param_copies=2) does. The micro-batches are
+    memory_model.dualpipe_peak_microbatches'; "stage" is then the rank and "stages" its two
+    stages."""
     tp, pp, cp, ep, v = (layout[k] for k in ("tp", "pp", "cp", "ep", "chunks"))
     b, m, zero, recompute = (layout[k] for k in ("micro_batch", "microbatches", "zero",
                                                   "recompute"))
     replicas = layout["dp"] * cp                 # ranks holding the same dense weights
+    if layout.get("dualpipe"):                   # and as many again on rank pp - 1 - r
+        replicas *= 2
     schedule = "interleaved" if v > 1 else "1f1b"
     in_flight = memory_model.pipeline_peak_microbatches(schedule, pp, m, v)
     tokens = model.seq // cp * b                  # of one micro-batch, on this rank

@@ -306,7 +306,20 @@ def document_causal_pairs_by_rank(doc_lengths, cp, layout):
       zigzag        the whole sequence cut into 2N chunks, rank r holding r and 2N-1-r
                     (context_parallel_chunks): balanced for one document, not for several
       per_document  every document cut into 2N chunks, rank r holding chunks r and 2N-1-r
-                    of each (torch's _PerDocumentHeadTailLoadBalancer): balanced again
+                    of each: balanced again. Megatron-Core's
+                    _get_batch_on_this_cp_rank_per_document_balancing (megatron/core/
+                    utils.py), through Transformer Engine's thd_get_partitioned_indices
+      torch_per_document  what torch's _PerDocumentHeadTailLoadBalancer does (torch/
+                    distributed/tensor/experimental/_context_parallel/_load_balancer.py):
+                    _generate_indices_for_batch lays out, document after document, chunks
+                    0, 2N-1, 1, 2N-2, ..., N-1, N of each (its loop over ranks sits inside
+                    the loop over documents), and _context_parallel_buffers then cuts that
+                    order into N contiguous pieces, rank r taking piece r. One document, or
+                    equal ones, come out balanced; unequal ones in general not: documents
+                    [4, 8, 4] at N = 2 give rank 0 positions [0, 3, 1, 2, 4, 5, 10, 11]
+                    (all of the first, two chunks of the second), and [4, 4, 8] give it
+                    both 4s, 20 pairs against rank 1's 36. (Its docstring describes
+                    per-document balancing; its code does not do it.)
     The count is what a kernel that skips every masked pair does, a lower bound on work."""
     starts = [sum(doc_lengths[:i]) for i in range(len(doc_lengths))]
     ends = [s + length for s, length in zip(starts, doc_lengths)]
@@ -332,4 +345,23 @@ def document_causal_pairs_by_rank(doc_lengths, cp, layout):
                          start + (q + 1) * (length // (2 * cp)))
                     for start, length in zip(starts, doc_lengths) for q in chunks)
                 for chunks in zigzag]
-    raise ValueError(f"unknown layout {layout!r}; choose from zigzag, per_document")
+    if layout == "torch_per_document":
+        if any(length % (2 * cp) for length in doc_lengths):
+            raise ValueError(f"every document must split into {2 * cp} chunks")
+        order = []      # (lo, hi) position ranges in the balancer's order
+        for start, length in zip(starts, doc_lengths):
+            c = length // (2 * cp)
+            for r in range(cp):
+                order += [(start + r * c, start + (r + 1) * c),
+                          (start + (2 * cp - 1 - r) * c, start + (2 * cp - r) * c)]
+        piece = sum(doc_lengths) // cp
+        pairs, offset = [0] * cp, 0     # offset: where the range starts in that order
+        for lo, hi in order:
+            while lo < hi:              # a range may straddle two ranks' pieces
+                rank = offset // piece
+                take = min(hi - lo, (rank + 1) * piece - offset)
+                pairs[rank] += keys(lo, lo + take)
+                lo, offset = lo + take, offset + take
+        return pairs
+    raise ValueError(f"unknown layout {layout!r}; choose from zigzag, per_document, "
+                     "torch_per_document")
