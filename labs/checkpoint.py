@@ -36,7 +36,6 @@ the checkpoint as loaded, before training on), param_count.
 from pathlib import Path
 
 from labkit.parallel import sharded_checkpoint
-from labkit.parallel.sharded_checkpoint import STEPS
 from labkit.runtime import distenv
 
 
@@ -44,7 +43,7 @@ def parse_args(argv=None):
     parser = distenv.lab_parser(__doc__)
     parser.add_argument("phase", choices=["save", "resume"])
     parser.add_argument("--dir", type=Path, required=True, help="the checkpoint's folder")
-    parser.add_argument("--steps", type=distenv.at_least(0), default=STEPS,
+    parser.add_argument("--steps", type=distenv.at_least(0), default=sharded_checkpoint.STEPS,
                         help="steps to train before saving, or after resuming")
     return parser.parse_args(argv)
 

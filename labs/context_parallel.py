@@ -60,7 +60,7 @@ from labkit.parallel import context_parallel_attention as cpa
 from labkit.runtime.collectives import CountCollectives
 from labkit.parallel.strategies import allreduce_gradients, rank_batch, world_mesh
 from labkit.model.transformer import (Shape, Transformer, add_shape_args, next_token_loss,
-                                shape_from_args)
+                                      shape_from_args)
 
 # heads 12 and 24 tokens: whole heads and 2N chunks at N = 1, 2, 3 and 4
 SHAPE = Shape(layers=2, hidden=48, heads=12, seq=24, vocab=64)

@@ -343,9 +343,9 @@ def main():
     args = parse_args()
     with distenv.initialize(args) as env:
         if args.checkpoint_dir:
-            # DCP, imported with it, only when asked for
+            # DCP, imported with it, only when asked for; the size checked before the comparison
             from labkit.parallel import sharded_checkpoint
-            sharded_checkpoint.check_world_size(env.world_size)   # before the comparison, not after
+            sharded_checkpoint.check_world_size(env.world_size)
         metrics = distenv.measure_with_sub_worlds(env, args.sub_worlds,
                                                   lambda world: run_and_report(args, world))
         if args.checkpoint_dir:

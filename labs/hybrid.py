@@ -79,9 +79,10 @@ from labkit.parallel import context_parallel_attention as cpa
 from labkit.runtime.collectives import CountCollectives
 from labkit.parallel.pipeline_schedules import OpClock, run_schedule, schedule_order, split_pieces
 from labkit.parallel.strategies import allreduce_gradients, apply_fsdp_unit, rank_batch
-from labkit.parallel.tensor_parallel_layers import TensorParallelTransformer, VocabParallelCrossEntropy
+from labkit.parallel.tensor_parallel_layers import (TensorParallelTransformer,
+                                                    VocabParallelCrossEntropy)
 from labkit.model.transformer import (Shape, Transformer, add_shape_args, next_token_loss,
-                                shape_from_args)
+                                      shape_from_args)
 
 # 6 heads and a vocabulary of 48 split over tp = 1, 2, 3 (and 6); 4 layers fill pp = 1..4
 SHAPE = Shape(layers=4, hidden=24, heads=6, seq=8, vocab=48)

@@ -69,11 +69,11 @@ import torch.distributed as dist
 from labkit.predict import comm_model, memory_model, time_model
 from labkit.runtime import distenv
 from labkit.runtime.collectives import CountCollectives
-from labkit.parallel.pipeline_schedules import (OpClock, handoff_samples, run_schedule, schedule_order,
-                                       split_pieces, timed_torch_stage)
+from labkit.parallel.pipeline_schedules import (OpClock, handoff_samples, run_schedule,
+                                                schedule_order, split_pieces, timed_torch_stage)
 from labkit.parallel.strategies import apply_pp, rank_batch
 from labkit.model.transformer import (Shape, Transformer, add_shape_args, next_token_loss,
-                                shape_from_args)
+                                      shape_from_args)
 
 # 8 thin layers: every stage of p = 1..4 gets whole layers, and so does every chunk of the
 # interleaved schedule with 2 chunks per rank

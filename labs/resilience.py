@@ -63,7 +63,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from labkit.runtime import distenv
 from labkit.parallel.strategies import TorchDDP
-from labkit.model.transformer import Shape, Transformer, add_shape_args, random_batch, shape_from_args
+from labkit.model.transformer import (Shape, Transformer, add_shape_args, random_batch,
+                                      shape_from_args)
 
 SHAPE = Shape(layers=2, hidden=32, heads=4, seq=16, vocab=64)
 BATCH = 4            # sequences per rank per step
@@ -245,7 +246,8 @@ def parse_args(argv=None):
     parser.add_argument("--fail-at-step", type=distenv.at_least(0), default=None,
                         help="on the first attempt, kill --fail-rank when it reaches this step")
     parser.add_argument("--fail-rank", type=distenv.at_least(0), default=0)
-    parser.add_argument("--survivors-busy-s", type=distenv.number_above(0, inclusive=True), default=0.0,
+    parser.add_argument("--survivors-busy-s", type=distenv.number_above(0, inclusive=True),
+                        default=0.0,
                         metavar="SECONDS",
                         help="at --fail-at-step, the other ranks first spend this long outside "
                              "any collective, so that on two nodes the healthy node's agent "

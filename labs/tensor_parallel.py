@@ -58,7 +58,7 @@ from labkit.runtime.collectives import CountCollectives
 from labkit.parallel.strategies import apply_tp, group_qkv_by_rank, rank_batch, world_mesh
 from labkit.parallel.tensor_parallel_layers import TensorParallelTransformer
 from labkit.model.transformer import (Shape, Transformer, add_shape_args, next_token_loss,
-                                shape_from_args)
+                                      shape_from_args)
 
 # heads 12 and every width divisible by 1, 2, 3 and 4: the ranks split whole heads at each
 SHAPE = Shape(layers=2, hidden=48, heads=12, seq=24, vocab=120)

@@ -76,7 +76,8 @@ def test_bad_steps_is_refused_in_one_line(script):
 
 def test_the_launch_saves_the_checkpoint_labs_checkpoint(launch, checkpoint_dir):
     saved = launch["checkpoint"]
-    assert saved["step"] == sharded_checkpoint.STEPS and saved["param_count"] == launch["param_count"]
+    assert saved["step"] == sharded_checkpoint.STEPS
+    assert saved["param_count"] == launch["param_count"]
     assert len(list(checkpoint_dir.glob("*.distcp"))) == 3   # a file per rank
     assert (checkpoint_dir / sharded_checkpoint.FULL_EXPORT).is_file()
     assert all("checkpoint" not in sub for sub in launch["sub_worlds"])

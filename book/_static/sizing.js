@@ -185,7 +185,9 @@
     await loadScript(config.pyodide + "pyodide.js");
     const pyodide = await window.loadPyodide({ indexURL: config.pyodide });
     status("Loading the course's cost models…");
-    for (const folder of ["", ...config.folders]) pyodide.FS.mkdirTree(`/home/pyodide/labkit/${folder}`);
+    for (const folder of ["", ...config.folders]) {
+      pyodide.FS.mkdirTree(`/home/pyodide/labkit/${folder}`);
+    }
     const base = new URL("../_static/labkit/", window.location.href);
     await Promise.all(config.modules.map(async (name) => {
       const response = await fetch(new URL(`${name}.py`, base));

@@ -142,10 +142,10 @@ def this_start(store, rank, world_size, timeout):
     So rank 0 names this start afresh (a random id) and says so under a fixed key; every
     other rank answers under that id with a random id of its own and waits for rank 0 to
     reply under its id. A rank that read the name of a start before (its rank 0 died with
-    it) gets no reply, reads the name again until it changes and answers the new one: no key of an earlier start can
-    reply to an id made in this process. The answers carry each rank's restart count;
-    rank 0 replies with the largest, the restarts of the agent that has spent most of its
-    --max-restarts budget, the same number on every rank.
+    it) gets no reply, reads the name again until it changes and answers the new one: no
+    key of an earlier start can reply to an id made in this process. The answers carry
+    each rank's restart count; rank 0 replies with the largest, the restarts of the agent
+    that has spent most of its --max-restarts budget, the same number on every rank.
     """
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if rank == 0:
