@@ -2,7 +2,8 @@
 (`labs/<name>.py`); nothing in here is meant to be run on its own, and no lab imports
 another lab: what two labs share lives here.
 
-  predict/   the predictions: cost models (communication, memory, time, failures, hangs),
+  predict/   the predictions: cost models (communication, memory, time, failures, hangs,
+             number formats),
              the hardware they assume, the planner and the sizing page's entry point, and
              the argparse types of the torch-free command lines. It imports no torch and
              nothing outside itself: the sizing page runs this folder, as it is, in the

@@ -7,6 +7,8 @@ the chapters, the tests and the sizing page.
   time_model     time: efficiency, Amdahl, DDP's buckets, step time, a layer's FLOPs
   failure_model  failures at scale: how often a job fails, what checkpoints cost, goodput
   hang_model     where each rank of a job out of step waits, and for how long
+  precision_model  number formats: their range, the error of rounding to them and of an
+                 FP8 matrix product, the outlier a scale absorbs
   hardware       the GPU node the book's extrapolations assume, with its sources
   planner        the planner of five dimensions (labs/plan.py is its command line)
   sizing         the sizing page's entry point: a form's fields in, the planner's answer out

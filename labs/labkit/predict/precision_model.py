@@ -1,0 +1,105 @@
+"""Number formats as cost models: what a format can hold, and how much a cast to it and a
+matrix product in it get wrong.
+
+Pure functions of the formats' bit layout, no torch: the precision lab measures the same
+quantities with torch's own casts and torch._scaled_mm.
+
+  FORMATS                 sign, exponent and mantissa bits, largest finite value, smallest
+                          normal and subnormal value, bytes, of fp32, bf16, fp16, and the
+                          two FP8 formats (OCP FP8: e4m3, which has no infinity and one
+                          NaN, so reaches 448; e5m2, IEEE-like, 57344)
+  grid_spacing            the distance between neighbouring values of a format at x
+  rounding_rms            the root-mean-square relative error of rounding to nearest,
+                          for values whose leading digits follow Benford's law
+  gemm_relative_error     a matrix product's relative error when both operands were
+                          rounded (independent errors, a sum accumulated exactly)
+  outlier_headroom        how far below a tensor's largest value a value can be and still
+                          be normal once the tensor is scaled so that its largest value
+                          is the format's largest: the outlier a scale can absorb
+
+The rounding model: a value x = 2^e (1 + f) is rounded to a grid of spacing
+2^(e - m), m mantissa bits, so its absolute error is uniform over half a step either side
+(RMS 2^(e - m) / sqrt(12)) and its relative error is that over x. Averaged over the
+significand 1 + f in [1, 2) with the density 1 / ((1 + f) ln 2) that Benford's law gives
+(and that products and sums of random numbers approach), E[1 / (1 + f)^2] = 3 / (8 ln 2),
+so the RMS relative error is 2^-m sqrt(3 / (96 ln 2)), about 0.212 x 2^-m. Subnormal
+values lose relative precision and are left out: scaling keeps most values normal, and
+outlier_headroom says when it no longer can.
+"""
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    exponent_bits: int
+    mantissa_bits: int
+    max: float           # the largest finite value
+    min_normal: float
+    min_subnormal: float
+    bytes: int
+
+
+FORMATS = {f.name: f for f in (
+    Format("fp32", 8, 23, (2 - 2 ** -23) * 2.0 ** 127, 2.0 ** -126, 2.0 ** -149, 4),
+    Format("bf16", 8, 7, (2 - 2 ** -7) * 2.0 ** 127, 2.0 ** -126, 2.0 ** -133, 2),
+    Format("fp16", 5, 10, 65504.0, 2.0 ** -14, 2.0 ** -24, 2),
+    # e4m3 (torch.float8_e4m3fn): exponent bias 7, the all-ones exponent still holds
+    # numbers (only S.1111.111 is NaN), so the largest is 1.75 x 2^8
+    Format("e4m3", 4, 3, 448.0, 2.0 ** -6, 2.0 ** -9, 1),
+    Format("e5m2", 5, 2, 57344.0, 2.0 ** -14, 2.0 ** -16, 1),
+)}
+
+# E[1 / s^2] for a significand s in [1, 2) of density 1 / (s ln 2) (Benford), over 12:
+# the mean square relative error of rounding, in units of the grid spacing 2^-m
+_BENFORD_FACTOR = math.sqrt(3 / (8 * math.log(2)) / 12)
+
+
+def get_format(name):
+    """The Format called `name`, or a ValueError that lists the formats."""
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise ValueError(f"unknown format {name!r}; choose from {', '.join(FORMATS)}") from None
+
+
+def grid_spacing(name, x):
+    """The distance between the two values of format `name` around |x| (x within range):
+    2^(e - m) for a normal x = 2^e (1 + f), the subnormal spacing below the normal range."""
+    fmt = get_format(name)
+    x = abs(x)
+    if x > fmt.max:
+        raise ValueError(f"{x} is beyond {name}'s largest value, {fmt.max}")
+    if x < fmt.min_normal:
+        return fmt.min_subnormal
+    return 2.0 ** (math.floor(math.log2(x)) - fmt.mantissa_bits)
+
+
+def rounding_rms(name):
+    """Root-mean-square relative error of rounding a normal value to nearest in `name`
+    (the module's model): about 0.212 x 2^-m, m the mantissa bits."""
+    return 2.0 ** -get_format(name).mantissa_bits * _BENFORD_FACTOR
+
+
+def gemm_relative_error(input_format, weight_format=None):
+    """Relative error (RMS over the output, against the exact product) of A W^T when A was
+    rounded to `input_format` and W to `weight_format` (None: W exact), the products
+    accumulated exactly (fp32 accumulation is exact by comparison). Each term a_k w_k
+    carries an independent relative error e_a + e_w, and for terms of random sign the
+    output's error adds up as its value does: sqrt(rms_a^2 + rms_w^2)."""
+    a = rounding_rms(input_format)
+    w = rounding_rms(weight_format) if weight_format is not None else 0.0
+    return math.hypot(a, w)
+
+
+def outlier_headroom(name):
+    """max / min_normal: a tensor scaled so that its largest value lands on the format's
+    largest keeps every value within this factor of the largest normal, and rounds it
+    with the relative error above. e4m3 absorbs 448 / 2^-6 = 28,672; a value further down
+    falls among the subnormals or to zero. The headroom of a scale is the format's, not
+    the granularity's: a finer granularity (rows, 1 x 128 blocks) helps only values that
+    share their scale with an outlier beyond it."""
+    fmt = get_format(name)
+    return fmt.max / fmt.min_normal

@@ -1,0 +1,99 @@
+"""The number formats' cost model (labkit/predict/precision_model.py) by hand, and against
+torch's own casts and torch._scaled_mm on CPU: the range of each format, the error of
+rounding to it, the error of an FP8 matrix product, and the outlier a scale absorbs."""
+
+import math
+
+import pytest
+import torch
+
+from labkit.predict import precision_model as pm
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+                "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+@pytest.mark.parametrize("name", pm.FORMATS)
+def test_each_format_s_range_is_torch_s(name):
+    fmt, info = pm.FORMATS[name], torch.finfo(TORCH_DTYPES[name])
+    assert fmt.max == info.max and fmt.min_normal == info.smallest_normal
+    assert fmt.bytes == info.bits // 8
+    assert fmt.mantissa_bits == {"fp32": 23, "bf16": 7, "fp16": 10, "e4m3": 3, "e5m2": 2}[name]
+    # the smallest subnormal survives a cast; half of it (a tie) rounds to even, zero
+    tiny = torch.tensor([fmt.min_subnormal, fmt.min_subnormal / 2], dtype=torch.float64)
+    assert tiny.to(TORCH_DTYPES[name]).double().tolist() == [fmt.min_subnormal, 0.0]
+
+
+def test_grid_spacing_by_hand():
+    assert pm.grid_spacing("e4m3", 1.0) == 0.125 and pm.grid_spacing("e4m3", 448) == 32
+    assert pm.grid_spacing("e4m3", 0.001) == 2.0 ** -9          # subnormal
+    assert pm.grid_spacing("bf16", 1.0) == 2.0 ** -7
+    assert pm.grid_spacing("fp16", 1000.0) == 0.5
+    with pytest.raises(ValueError, match="beyond"):
+        pm.grid_spacing("e4m3", 500)
+    with pytest.raises(ValueError, match="unknown format 'int8'"):
+        pm.rounding_rms("int8")
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16", "e4m3", "e5m2"])
+def test_rounding_error_matches_torch_s_casts(name):
+    """Values spread evenly in log2 have Benford's significands: torch's round-to-nearest
+    errs by the model's RMS within 3 %."""
+    generator = torch.Generator().manual_seed(0)
+    x = 2.0 ** (torch.rand(200_000, generator=generator, dtype=torch.float64) * 6 - 3)
+    rounded = x.to(TORCH_DTYPES[name]).double()
+    measured = ((rounded - x) / x).pow(2).mean().sqrt().item()
+    assert measured == pytest.approx(pm.rounding_rms(name), rel=0.03)
+    assert pm.rounding_rms(name) == pytest.approx(0.212 * 2.0 ** -pm.FORMATS[name].mantissa_bits,
+                                                  rel=0.002)
+
+
+def scaled_mm(a, b, a_format, b_format):
+    """torch._scaled_mm with one scale per tensor, each set so its largest value lands on
+    the format's largest, accumulated in fp32."""
+    def cast(x, name):
+        scale = x.abs().amax() / pm.FORMATS[name].max
+        return (x / scale).to(TORCH_DTYPES[name]), scale
+    qa, sa = cast(a, a_format)
+    qb, sb = cast(b, b_format)
+    return torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("a_format, b_format", [("e4m3", "e4m3"), ("e5m2", "e4m3")])
+def test_an_fp8_matrix_product_errs_as_predicted(a_format, b_format):
+    """Gaussian activations and weights, per-tensor scales (e5m2 x e4m3 as a gradient
+    times a weight): the output's relative error within 10 % of the model's."""
+    generator = torch.Generator().manual_seed(1)
+    a = torch.randn(64, 512, generator=generator)
+    w = torch.randn(256, 512, generator=generator) / math.sqrt(512)
+    exact = a @ w.t()
+    error = ((scaled_mm(a, w, a_format, b_format) - exact).norm() / exact.norm()).item()
+    assert error == pytest.approx(pm.gemm_relative_error(a_format, b_format), rel=0.10)
+
+
+def test_a_per_tensor_scale_absorbs_an_outlier_up_to_the_format_s_headroom():
+    """One activation channel made F times larger sets the per-tensor scale; the other
+    values, about 4F below the largest for Gaussian data, stay normal in e4m3 while 4F is
+    under its headroom (28,672), and lose precision beyond it. Measured on the product of
+    the other channels alone."""
+    assert pm.outlier_headroom("e4m3") == 28_672
+    generator = torch.Generator().manual_seed(2)
+    a = torch.randn(64, 512, generator=generator)
+    w = torch.randn(256, 512, generator=generator) / math.sqrt(512)
+    rest = torch.arange(512) != 7
+
+    def error_of_the_rest(factor):
+        spiked = a.clone()
+        spiked[:, 7] *= factor
+        scale = spiked.abs().amax() / pm.FORMATS["e4m3"].max
+        rounded = (spiked / scale).to(torch.float8_e4m3fn).float() * scale
+        exact = spiked[:, rest] @ w[:, rest].t()
+        return ((rounded - spiked)[:, rest] @ w[:, rest].t()).norm().item() / exact.norm().item()
+
+    clean = error_of_the_rest(1)
+    assert clean == pytest.approx(pm.gemm_relative_error("e4m3"), rel=0.10)
+    inside = [f for f in (10, 100, 1000) if 4 * f < pm.outlier_headroom("e4m3")]
+    assert inside == [10, 100, 1000]
+    for factor in inside:
+        assert error_of_the_rest(factor) < 1.1 * clean
+    assert 4 * 1e5 > pm.outlier_headroom("e4m3") and error_of_the_rest(1e5) > 3 * clean
