@@ -3,9 +3,8 @@
 another lab: what two labs share lives here.
 
   predict/   the predictions: cost models (communication, memory, time, failures, hangs,
-             number formats),
-             the hardware they assume, the planner and the sizing page's entry point, and
-             the argparse types of the torch-free command lines. It imports no torch and
+             number formats), the hardware they assume, the planner and the sizing page's
+             entry point, and the argparse types of the torch-free command lines. It imports no torch and
              nothing outside itself: the sizing page runs this folder, as it is, in the
              reader's browser (Pyodide).
   runtime/   what runs a lab: the lab contract and its process group (distenv), the
