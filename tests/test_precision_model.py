@@ -97,3 +97,31 @@ def test_a_per_tensor_scale_absorbs_an_outlier_up_to_the_format_s_headroom():
     for factor in inside:
         assert error_of_the_rest(factor) < 1.1 * clean
     assert 4 * 1e5 > pm.outlier_headroom("e4m3") and error_of_the_rest(1e5) > 3 * clean
+
+
+def test_the_recipes_keep_and_send_what_their_names_say():
+    """Bytes per parameter by hand: the ZeRO paper's mixed precision keeps 2 + 2 + 4 + K,
+    FSDP2's keeps its fp32 shard as the master (4 + 4 + K) and sends less; the memory
+    model and the communication model read the same table."""
+    from fractions import Fraction
+
+    from labkit.predict import comm_model, memory_model
+    assert memory_model.bytes_per_parameter("adam", "mixed") == (2, 2, 12)   # 16 psi
+    for name in ("fp32", "bf16_autocast", "bf16_params", "bf16_reduce", "fp8_allgather"):
+        assert memory_model.bytes_per_parameter("momentum", name) == (4, 4, 4), name
+    psi, n = 1000, 4
+    # ZeRO-3: two all-gathers and a reduce-scatter, each (N - 1)/N of the bytes
+    expected = {"fp32": (4, 4), "bf16_autocast": (4, 4), "bf16_params": (2, 4),
+                "bf16_reduce": (2, 2), "mixed": (2, 2)}
+    for name, (gather, reduce) in expected.items():
+        assert comm_model.data_parallel_bytes_per_rank("zero3", psi, n, precision=name) == (
+            Fraction(3, 4) * psi * (2 * gather + reduce)), name
+    # FP8 weights: 600 of the 1000 parameters gathered in one byte, the rest in bf16
+    assert pm.gathered_bytes("fp8_allgather", psi, fp8_numel=600) == 600 + 2 * 400
+    assert comm_model.data_parallel_bytes_per_rank(
+        "zero3", psi, n, precision="fp8_allgather", fp8_numel=600) == Fraction(3, 4) * (
+        2 * 1400 + 4 * psi)
+    assert comm_model.data_parallel_bytes_per_rank("ddp", psi, n, precision="bf16_reduce") == (
+        comm_model.data_parallel_bytes_per_rank("ddp", psi, n, value_bytes=2))
+    with pytest.raises(ValueError, match="unknown precision 'fp4'"):
+        memory_model.bytes_per_parameter("adam", "fp4")

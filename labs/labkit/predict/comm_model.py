@@ -9,6 +9,8 @@ the same formulas, the collectives a lab really issues.
 import math
 from fractions import Fraction
 
+from . import precision_model
+
 # Bus bandwidth = algorithm bandwidth x this factor (nccl-tests' definitions): it turns
 # bytes/time into the bandwidth each link must carry, comparable across world sizes.
 BUSBW_FACTORS = {
@@ -127,13 +129,27 @@ DATA_PARALLEL_COLLECTIVES = {
 }
 
 
-def data_parallel_bytes_per_rank(strategy, numel, world_size, value_bytes=4):
+def data_parallel_bytes_per_rank(strategy, numel, world_size, value_bytes=4, precision=None,
+                                 fp8_numel=0):
     """Bytes a rank sends in one training step of `numel` parameters, exactly (a Fraction),
     mean over ranks: DDP and the paper's ZeRO-1/2 2(N-1)/N x numel x b; ZeRO-3 and torch's
     ZeroRedundancyOptimizer 3(N-1)/N x numel x b. For ZeRO-3 numel is the padded count its
-    equal shards need (memory_model.padded_numel)."""
-    size = Fraction(numel * value_bytes)
-    return sum(bytes_sent_per_rank(op, size, world_size)
+    equal shards need (memory_model.padded_numel).
+
+    With `precision` (a recipe of precision_model.RECIPES) each collective carries what the
+    recipe sends instead of `value_bytes`: all-gathers the parameters in its gather format
+    (`fp8_numel` of them in FP8 where it gathers FP8 weights), reductions the gradients in
+    its reduce format."""
+    if precision is None:
+        sizes = {"all_gather": Fraction(numel * value_bytes)}
+        sizes["reduce_scatter"] = sizes["all_reduce"] = sizes["broadcast"] = sizes["all_gather"]
+    else:
+        reduce = Fraction(numel * precision_model.get_recipe(precision).reduce)
+        sizes = {"all_gather": Fraction(precision_model.gathered_bytes(precision, numel,
+                                                                       fp8_numel)),
+                 "reduce_scatter": reduce, "all_reduce": reduce}
+        sizes["broadcast"] = sizes["all_gather"]   # parameters, as an all-gather sends them
+    return sum(bytes_sent_per_rank(op, sizes[op], world_size)
                for op in DATA_PARALLEL_COLLECTIVES[strategy])
 
 

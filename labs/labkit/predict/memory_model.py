@@ -12,9 +12,11 @@ ranks, K bytes of optimizer state per parameter.
 
 import math
 
+from . import precision_model
+
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 OPTIMIZERS = ("adam", "sgd", "momentum")
-PRECISIONS = ("fp32", "mixed")
+PRECISIONS = ("fp32", "mixed")   # the memory chapter's two; precision_model.RECIPES has more
 
 # Bytes of optimizer state per parameter, kept in fp32 whatever the training precision.
 OPTIMIZER_STATE_BYTES = {"sgd": 0, "momentum": 4, "adam": 8}  # -, momentum, (momentum, variance)
@@ -26,15 +28,17 @@ def bytes_per_parameter(optimizer="adam", precision="mixed"):
 
     fp32: 4 + 4 + state. Mixed precision (fp16/bf16 weights and gradients, the update in
     fp32): 2 + 2 + K, where K = fp32 master copy + fp32 state; Adam gives K = 12 and 16
-    bytes in all, the ZeRO paper's 16 psi.
+    bytes in all, the ZeRO paper's 16 psi. `precision` may also name any other recipe of
+    precision_model.RECIPES: FSDP2's mixed precision keeps the fp32 shard itself as the
+    master (4 + 4 + state), and differs only in what it gathers and reduces.
     """
     if optimizer not in OPTIMIZER_STATE_BYTES:
         raise ValueError(f"unknown optimizer {optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
-    if precision == "fp32":
-        return 4, 4, OPTIMIZER_STATE_BYTES[optimizer]
-    if precision == "mixed":
-        return 2, 2, FP32_MASTER_BYTES + OPTIMIZER_STATE_BYTES[optimizer]
-    raise ValueError(f"unknown precision {precision!r}; choose from {', '.join(PRECISIONS)}")
+    if precision not in precision_model.RECIPES:
+        raise ValueError(f"unknown precision {precision!r}; choose from "
+                         f"{', '.join(precision_model.RECIPES)}")
+    recipe = precision_model.RECIPES[precision]
+    return recipe.params, recipe.grads, recipe.master + OPTIMIZER_STATE_BYTES[optimizer]
 
 
 def _whole_if_integral(x):

@@ -103,3 +103,59 @@ def outlier_headroom(name):
     share their scale with an outlier beyond it."""
     fmt = get_format(name)
     return fmt.max / fmt.min_normal
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Bytes per parameter of one way to train in lower precision: what a rank keeps
+    (params, grads, an fp32 master copy beside them) and what its data-parallel
+    collectives carry (gather: the parameters an all-gather brings, reduce: the gradients
+    a reduce-scatter or all-reduce sums). `fp8_gather`, when set, is what the weights of
+    the FP8 linear layers are gathered in; the other parameters take `gather`."""
+    params: int
+    grads: int
+    master: int
+    gather: int
+    reduce: int
+    fp8_gather: int = None
+
+
+# What each recipe keeps and sends, per parameter (optimizer state aside: fp32 always).
+#   fp32           everything in fp32
+#   mixed          the ZeRO paper's and Megatron-LM's: bf16 (or fp16) parameters and
+#                  gradients, an fp32 master copy for the update, gradients reduced in bf16
+#   bf16_autocast  fp32 parameters and gradients; torch.autocast casts each op's inputs to
+#                  bf16 as it runs, so FSDP2 still gathers and reduces fp32
+#   bf16_params    FSDP2 with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32):
+#                  the fp32 shard is the master, gathered as bf16, gradients reduced in fp32
+#   bf16_reduce    the same with reduce_dtype=bf16
+#   fp8_allgather  bf16_params, with the FP8 linear layers' weights cast to float8 (and
+#                  their scale) before the all-gather, as torchao's float8 does under FSDP2
+RECIPES = {
+    "fp32": Recipe(params=4, grads=4, master=0, gather=4, reduce=4),
+    "mixed": Recipe(params=2, grads=2, master=4, gather=2, reduce=2),
+    "bf16_autocast": Recipe(params=4, grads=4, master=0, gather=4, reduce=4),
+    "bf16_params": Recipe(params=4, grads=4, master=0, gather=2, reduce=4),
+    "bf16_reduce": Recipe(params=4, grads=4, master=0, gather=2, reduce=2),
+    "fp8_allgather": Recipe(params=4, grads=4, master=0, gather=2, reduce=4, fp8_gather=1),
+}
+
+
+def get_recipe(name):
+    """The Recipe called `name`, or a ValueError that lists them."""
+    try:
+        return RECIPES[name]
+    except KeyError:
+        raise ValueError(f"unknown precision {name!r}; choose from {', '.join(RECIPES)}") from None
+
+
+def gathered_bytes(name, numel, fp8_numel=0):
+    """Bytes of `numel` parameters as an all-gather carries them under recipe `name`,
+    `fp8_numel` of them weights of FP8 linear layers (gathered in FP8 where the recipe
+    does; their scales, one fp32 per tensor, travel by an all-reduce of their own)."""
+    recipe = get_recipe(name)
+    if not 0 <= fp8_numel <= numel:
+        raise ValueError(f"need 0 <= fp8_numel <= numel, got {fp8_numel} and {numel}")
+    if recipe.fp8_gather is None:
+        return numel * recipe.gather
+    return fp8_numel * recipe.fp8_gather + (numel - fp8_numel) * recipe.gather
