@@ -1,0 +1,353 @@
+"""Precision, measured: what bf16, fp16 and FP8 do to memory, to the bytes on the wire and
+to the numbers, beside what the cost models predict.
+
+Three parts, in one launch:
+  variants      the course's transformer trained --steps steps with FSDP2 (fully_shard on
+                every block, then the root; SGD with momentum) under each precision recipe:
+                fp32; bf16_autocast (fp32 weights, torch.autocast casting each op to bf16);
+                bf16_params (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32));
+                bf16_reduce (gradients reduced in bf16 too); fp8_allgather (torchao's
+                float8 linears, their weights cast to float8 before FSDP2's all-gather;
+                needs torchao). Each from the same weights, on the same data.
+  loss_scaling  the same model on each rank's own data in fp16 autocast, with a loss small
+                enough that its gradients fall below fp16's range: without loss scaling,
+                and with torch's GradScaler (starting at --init-scale, so that its first
+                steps overflow and are skipped while it backs off).
+  fp8_gemm      one linear layer of the model's shape (the second MLP matrix: input 4h,
+                output h), forward in e4m3 x e4m3 and input gradient in e5m2 x e4m3 with
+                torch._scaled_mm, scaled per tensor, per row, and per block (1 x B tiles
+                of activations and gradients, B x B blocks of weights, DeepSeek-V3 §3.3.2,
+                each block's product accumulated in fp32), against fp32; then with one
+                input channel made --outlier times larger.
+
+Launch lines (from the repository root):
+  laptop, gloo on CPU:  torchrun --standalone --nproc_per_node=4 labs/precision.py --out p4.json
+  a world of one:       python labs/precision.py
+  GPU box, NCCL:        torchrun --standalone --nproc_per_node=8 labs/precision.py --out p8.json
+  two nodes:            torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \\
+                          --rdzv-endpoint=HOST:29500 --rdzv-id=precision labs/precision.py
+
+JSON: variants {name: {state_bytes_per_rank and predicted_state_bytes_per_rank ({params,
+grads, optimizer}, rank 0's shards), comm_bytes_per_rank and predicted_comm_bytes_per_rank
+(one step, ring volumes), max_param_diff_vs_fp32}, or {error} where a variant cannot run
+here}; loss_scaling {fp16_unscaled: {zero_gradient_fraction}, fp16_scaled:
+{zero_gradient_fraction, skipped_steps, final_scale}}; fp8_gemm {tensorwise, rowwise,
+blockwise: {relative_error and predicted_relative_error ({output, input_grad}),
+relative_error_with_outlier ({output, input_grad})}}; param_count, fp8_numel.
+"""
+
+import contextlib
+import copy
+import logging
+
+import torch
+
+from labkit.model.transformer import Shape, Transformer, add_shape_args, shape_from_args
+from labkit.parallel.strategies import apply_fsdp, rank_batch, train_step, world_mesh
+from labkit.predict import comm_model, memory_model, precision_model
+from labkit.runtime import distenv
+from labkit.runtime.collectives import CountCollectives
+
+# model
+SHAPE = Shape(layers=2, hidden=128, heads=4, seq=32, vocab=256)
+BATCH = 4                  # sequences per rank per step
+STEPS = 3
+LEARNING_RATE, MOMENTUM = 0.05, 0.9
+# the three parts
+VARIANTS = ("fp32", "bf16_autocast", "bf16_params", "bf16_reduce", "fp8_allgather")
+FP8_BLOCK = 128            # DeepSeek-V3's tile and block size
+OUTLIER = 100.0            # how much larger the outlier channel is
+LOSS_SHRINK = 2.0 ** -24   # the loss scaled down until fp16 gradients underflow
+INIT_SCALE = 2.0 ** 46     # GradScaler's first scale: too large, on purpose
+TORCH_FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+# (param_dtype, reduce_dtype) of FSDP2's MixedPrecisionPolicy, by variant
+POLICIES = {"bf16_params": (torch.bfloat16, torch.float32),
+            "bf16_reduce": (torch.bfloat16, torch.bfloat16),
+            "fp8_allgather": (torch.bfloat16, torch.float32)}
+
+
+# ---------------------------------------------------------------- variants (FSDP2)
+
+def convert_to_float8(blocks):
+    """torchao's float8 linears in the blocks, their weights gathered in float8 by FSDP2.
+    Returns how many parameters that makes FP8 weights. Raises ImportError without
+    torchao."""
+    # torchao logs, at import, every CUDA-only kernel a CPU build cannot load
+    for logger in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(logger).setLevel(logging.ERROR)
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    convert_to_float8_training(blocks, config=Float8LinearConfig(
+        enable_fsdp_float8_all_gather=True))
+    return sum(m.weight.numel() for m in blocks.modules() if type(m).__name__ == "Float8Linear")
+
+
+def fsdp_variant(name, initial, env):
+    """A copy of `initial` wrapped with FSDP2 as variant `name` says, and how many of its
+    parameters are FP8 linear weights."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    model = copy.deepcopy(initial)
+    fp8_numel = convert_to_float8(model.blocks) if name == "fp8_allgather" else 0
+    options = {}
+    if name in POLICIES:
+        param_dtype, reduce_dtype = POLICIES[name]
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype,
+                                                    reduce_dtype=reduce_dtype)
+    return apply_fsdp(model, env.device, mesh=world_mesh(env.device, env.group),
+                      **options), fp8_numel
+
+
+def shard_bytes(tensors):
+    """Bytes of this rank's shards of `tensors` (DTensors; None counts nothing)."""
+    return sum(t.to_local().numel() * t.to_local().element_size()
+               for t in tensors if t is not None)
+
+
+def train_variant(name, initial, shape, args, env):
+    """Train variant `name` --steps steps; (model, FP8 numel, rank 0's state bytes, bytes
+    the last step sent)."""
+    model, fp8_numel = fsdp_variant(name, initial, env)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE, momentum=MOMENTUM)
+    counter, grads = comm_model.CollectiveCounter(env.world_size), {}
+
+    def keep_gradient_bytes():   # before the step zeroes them
+        grads["bytes"] = shard_bytes(p.grad for p in model.parameters())
+
+    for step in range(args.steps):
+        ids, targets = rank_batch(shape, BATCH, args.seed, step, env.rank, env.device)
+        last = step == args.steps - 1   # the one counted: every step sends the same
+        counting = CountCollectives(counter) if last else contextlib.nullcontext()
+        autocast = torch.autocast(env.device.type, dtype=torch.bfloat16,
+                                  enabled=name == "bf16_autocast")
+        with counting, autocast:
+            train_step(model, optimizer, ids, targets,
+                       after_backward=keep_gradient_bytes if last else None)
+    state = {"params": shard_bytes(model.parameters()), "grads": grads["bytes"],
+             "optimizer": sum(t.to_local().numel() * t.to_local().element_size()
+                              for s in optimizer.state.values() for t in s.values()
+                              if torch.is_tensor(t) and t.dim())}
+    return model, fp8_numel, state, counter.sent
+
+
+def predicted_state(shapes, world_size, name):
+    """Rank 0's shards under FSDP2 (memory_model.fsdp2_shard_numel) at the recipe's bytes
+    per parameter (memory_model.bytes_per_parameter, SGD with momentum)."""
+    numel = sum(memory_model.fsdp2_shard_numel(s, world_size, 0) for s in shapes)
+    p, g, k = memory_model.bytes_per_parameter("momentum", name)
+    return {"params": p * numel, "grads": g * numel, "optimizer": k * numel}
+
+
+def predicted_comm(units, fp8_units, world_size, name):
+    """One step of FSDP2: every unit gathered twice and reduced once, in the recipe's
+    formats (comm_model); FP8 weights also all-reduce their amax, one fp32, before each
+    of their two gathers (the scale of torchao's dynamic cast)."""
+    total = 0
+    for shapes, fp8_shapes in zip(units, fp8_units):
+        numel = memory_model.fsdp2_gathered_numel(shapes, world_size)
+        fp8 = memory_model.fsdp2_gathered_numel(fp8_shapes, world_size)
+        total += comm_model.data_parallel_bytes_per_rank("zero3", numel, world_size,
+                                                         precision=name, fp8_numel=fp8)
+        total += 2 * len(fp8_shapes) * comm_model.bytes_sent_per_rank("all_reduce", 4,
+                                                                      world_size)
+    return float(total)
+
+
+def run_variants(shape, args, env):
+    torch.manual_seed(args.seed)
+    initial = Transformer(shape).to(env.device)
+    units = [[tuple(p.shape) for p in unit.parameters()] for unit in initial.units()]
+    blocks = set(initial.blocks)
+    linear_weights = [[tuple(m.weight.shape) for m in unit.modules()
+                       if isinstance(m, torch.nn.Linear)] if unit in blocks else []
+                      for unit in initial.units()]
+    shapes = [s for unit in units for s in unit]
+    results, reference = {}, None
+    uneven = sorted({rows for unit in linear_weights for rows, _ in unit
+                     if rows % env.world_size})
+    for name in args.variants:
+        if name == "fp8_allgather" and uneven:
+            # seen with torchao 0.18 on gloo: FSDP2 pads the uneven shards, and the float8
+            # all-gather then receives more bytes than it expects, which aborts the process
+            results[name] = {"error": f"FSDP2 pads the float8 weights' rows "
+                                      f"({', '.join(map(str, uneven))}) to a multiple of "
+                                      f"{env.world_size}, which torchao's float8 all-gather "
+                                      f"does not handle"}
+            continue
+        try:
+            model, fp8_numel, state, sent = train_variant(name, initial, shape, args, env)
+        except ImportError as error:   # torchao missing: said in the JSON, not hidden
+            results[name] = {"error": f"{type(error).__name__}: {error}"}
+            continue
+        full = [p.full_tensor().detach().float() for p in model.parameters()]
+        reference = full if name == "fp32" else reference
+        fp8_units = linear_weights if fp8_numel else [[] for _ in units]
+        results[name] = {
+            "state_bytes_per_rank": state,
+            "predicted_state_bytes_per_rank": predicted_state(shapes, env.world_size, name),
+            "comm_bytes_per_rank": float(sent),
+            "predicted_comm_bytes_per_rank": predicted_comm(units, fp8_units,
+                                                            env.world_size, name),
+            "max_param_diff_vs_fp32": None if reference is None else max(
+                (a - b).abs().max().item() for a, b in zip(full, reference)),
+        }
+    return results, sum(p.numel() for p in initial.parameters())
+
+
+# ---------------------------------------------------------------- loss scaling (fp16)
+
+def fp16_run(shape, args, env, scaler):
+    """--steps steps in fp16 autocast on this rank's data, the loss shrunk by LOSS_SHRINK;
+    the share of the last step's gradient values of the blocks' matrices that are exactly
+    0, and how many steps the scaler skipped."""
+    torch.manual_seed(args.seed)
+    model = Transformer(shape).to(env.device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    zero_share, skipped = 0.0, 0
+    for step in range(args.steps):
+        ids, targets = rank_batch(shape, BATCH, args.seed, step, env.rank, env.device)
+        with torch.autocast(env.device.type, dtype=torch.float16):
+            loss = LOSS_SHRINK * torch.nn.functional.cross_entropy(
+                model(ids).flatten(0, 1), targets.flatten())
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            scale = scaler.get_scale()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            skipped += scaler.get_scale() < scale   # it backed off: the step was skipped
+        # the blocks' matrices: every value of theirs gets a gradient (an embedding's
+        # rows of tokens not in the batch get none, underflow or not)
+        grads = torch.cat([p.grad.flatten() for p in model.blocks.parameters()
+                           if p.grad is not None and p.dim() == 2])
+        zero_share = (grads == 0).float().mean().item()
+        optimizer.zero_grad(set_to_none=False)
+    return zero_share, skipped
+
+
+def run_loss_scaling(shape, args, env):
+    unscaled, _ = fp16_run(shape, args, env, None)
+    scaler = torch.amp.GradScaler(env.device.type, init_scale=args.init_scale)
+    scaled, skipped = fp16_run(shape, args, env, scaler)
+    return {"fp16_unscaled": {"zero_gradient_fraction": unscaled},
+            "fp16_scaled": {"zero_gradient_fraction": scaled, "skipped_steps": int(skipped),
+                            "final_scale": scaler.get_scale()}}
+
+
+# ---------------------------------------------------------------- FP8 matrix products
+
+def scales(x, fmt, rows, cols):
+    """One scale per `rows` x `cols` block of x (a block as large as x: per tensor), each
+    the block's largest magnitude over the format's largest value, expanded to x's shape."""
+    r, c = x.shape
+    blocks = x.abs().reshape(r // rows, rows, c // cols, cols).amax(dim=(1, 3))
+    blocks = blocks.clamp(min=torch.finfo(torch.float32).tiny) / precision_model.FORMATS[fmt].max
+    return blocks.repeat_interleave(rows, 0).repeat_interleave(cols, 1)
+
+
+def fp8_matmul(a, b, a_fmt, b_fmt, granularity, block):
+    """a @ b (a: M x K, b: K x N) with both cast to FP8 and multiplied by torch._scaled_mm,
+    fp32 out. tensorwise: a scale per tensor; rowwise: per row of a and per column of b
+    (along the contraction); blockwise: 1 x block tiles of a and block x block blocks of b,
+    one _scaled_mm per block of K, its partial product accumulated in fp32."""
+    (m, k), n = a.shape, b.shape[1]
+    shapes = {"tensorwise": ((m, k), (k, n)), "rowwise": ((1, k), (k, 1)),
+              "blockwise": ((1, block), (block, block))}[granularity]
+    sa, sb = scales(a, a_fmt, *shapes[0]), scales(b, b_fmt, *shapes[1])
+    qa = (a / sa).to(TORCH_FP8[a_fmt])
+    qb = (b / sb).to(TORCH_FP8[b_fmt])
+    chunks = range(0, k, block) if granularity == "blockwise" else [0]
+    width = block if granularity == "blockwise" else k
+    out = torch.zeros(m, n)
+    for start in chunks:
+        part = slice(start, start + width)
+        # one scale per row of a and per column of b within this block of K
+        row_scale, col_scale = sa[:, start:start + 1], sb[start:start + 1, :]
+        # _scaled_mm wants its second operand column-major: the transpose of a contiguous one
+        out += torch._scaled_mm(qa[:, part].contiguous(), qb[part, :].t().contiguous().t(),
+                                scale_a=row_scale.contiguous(), scale_b=col_scale.contiguous(),
+                                out_dtype=torch.float32)
+    return out
+
+
+def relative_error(value, exact):
+    return ((value - exact).norm() / exact.norm()).item()
+
+
+def run_fp8_gemm(shape, args, env):
+    """The model's second MLP matrix (input 4h, output h): forward y = x W^T and input
+    gradient dx = dy W, per granularity, against fp32; then with one input channel of x
+    made --outlier times larger."""
+    generator = distenv.generator(args.seed, "fp8 gemm")
+    tokens, h = BATCH * shape.seq, shape.hidden
+    x = torch.randn(tokens, 4 * h, generator=generator)
+    w = torch.randn(h, 4 * h, generator=generator) / (4 * h) ** 0.5
+    dy = torch.randn(tokens, h, generator=generator) * 1e-3   # a gradient's small values
+    spiked = x.clone()
+    spiked[:, 7] *= args.outlier
+    predicted = {"output": precision_model.gemm_relative_error("e4m3", "e4m3"),
+                 "input_grad": precision_model.gemm_relative_error("e5m2", "e4m3")}
+    results = {}
+    for granularity in ("tensorwise", "rowwise", "blockwise"):
+        def errors(inputs):
+            out = fp8_matmul(inputs, w.t().contiguous(), "e4m3", "e4m3", granularity,
+                             args.fp8_block)
+            grad = fp8_matmul(dy, w, "e5m2", "e4m3", granularity, args.fp8_block)
+            return {"output": relative_error(out, inputs @ w.t()),
+                    "input_grad": relative_error(grad, dy @ w)}
+        results[granularity] = {"relative_error": errors(x), "predicted_relative_error":
+                                predicted, "relative_error_with_outlier": errors(spiked)}
+    return results
+
+
+# ---------------------------------------------------------------- the lab
+
+def parse_args(argv=None):
+    parser = distenv.lab_parser(__doc__)
+    parser.add_argument("--steps", type=distenv.positive_int, default=STEPS)
+    parser.add_argument("--variants", type=distenv.choice_list(VARIANTS), default=list(VARIANTS),
+                        help=f"comma-separated, or all: {', '.join(VARIANTS)}")
+    parser.add_argument("--fp8-block", type=distenv.positive_int, default=FP8_BLOCK,
+                        help="the block of block-wise FP8 scaling; must divide --hidden")
+    parser.add_argument("--outlier", type=distenv.number_above(0), default=OUTLIER,
+                        help="how many times larger the outlier input channel is")
+    parser.add_argument("--init-scale", type=distenv.number_above(0), default=INIT_SCALE,
+                        help="GradScaler's first scale")
+    add_shape_args(parser, SHAPE)
+    args = parser.parse_args(None if argv is None else [str(a) for a in argv])
+    shape = shape_from_args(args)
+    if shape.hidden % args.fp8_block:
+        distenv.fail(f"--fp8-block {args.fp8_block} does not divide --hidden {shape.hidden}")
+    if "fp32" not in args.variants:
+        distenv.fail("--variants must include fp32, the reference of the others")
+    args.variants = ["fp32"] + [v for v in args.variants if v != "fp32"]
+    return args
+
+
+def main():
+    args = parse_args()
+    shape = shape_from_args(args)
+    with distenv.initialize(args) as env:
+        variants, param_count = run_variants(shape, args, env)
+        metrics = {"variants": variants, "loss_scaling": run_loss_scaling(shape, args, env),
+                   "fp8_gemm": run_fp8_gemm(shape, args, env), "param_count": param_count}
+        for name, result in variants.items():
+            if "error" in result:
+                env.print0(f"{name:>14}: not run here ({result['error']})")
+                continue
+            env.print0(f"{name:>14}: sent {result['comm_bytes_per_rank']:,.0f} B "
+                       f"(predicted {result['predicted_comm_bytes_per_rank']:,.0f}), "
+                       f"max |p - fp32| {result['max_param_diff_vs_fp32']:.1e}")
+        scaled = metrics["loss_scaling"]
+        env.print0(f"fp16 gradients at 0: {scaled['fp16_unscaled']['zero_gradient_fraction']:.1%}"
+                   f" unscaled, {scaled['fp16_scaled']['zero_gradient_fraction']:.1%} scaled "
+                   f"({scaled['fp16_scaled']['skipped_steps']} steps skipped)")
+        for granularity, result in metrics["fp8_gemm"].items():
+            env.print0(f"FP8 {granularity:>10}: output {result['relative_error']['output']:.4f}, "
+                       f"input grad {result['relative_error']['input_grad']:.4f}; with the "
+                       f"outlier {result['relative_error_with_outlier']['output']:.4f}")
+        env.write_result(args, metrics)
+
+
+if __name__ == "__main__":
+    main()
