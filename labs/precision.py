@@ -9,7 +9,7 @@ Three parts, in one launch:
                 bf16_reduce (gradients reduced in bf16 too); fp8_allgather (torchao's
                 float8 linears, their weights cast to float8 before FSDP2's all-gather;
                 needs torchao). Each from the same weights, on the same data.
-  loss_scaling  the same model on each rank's own data in fp16 autocast, with a loss small
+  loss_scaling  the same model, on rank 0 alone, in fp16 autocast, with a loss small
                 enough that its gradients fall below fp16's range: without loss scaling,
                 and with torch's GradScaler (starting at --init-scale, so that its first
                 steps overflow and are skipped while it backs off).
@@ -18,7 +18,7 @@ Three parts, in one launch:
                 torch._scaled_mm, scaled per tensor, per row, and per block (1 x B tiles
                 of activations and gradients, B x B blocks of weights, DeepSeek-V3 §3.3.2,
                 each block's product accumulated in fp32), against fp32; then with one
-                input channel made --outlier times larger.
+                input channel made --outlier times larger. On rank 0 alone.
 
 Launch lines (from the repository root):
   laptop, gloo on CPU:  torchrun --standalone --nproc_per_node=4 labs/precision.py --out p4.json
@@ -195,7 +195,7 @@ def run_variants(shape, args, env):
 # ---------------------------------------------------------------- loss scaling (fp16)
 
 def fp16_run(shape, args, env, scaler):
-    """--steps steps in fp16 autocast on this rank's data, the loss shrunk by LOSS_SHRINK;
+    """--steps steps in fp16 autocast on rank 0's data, the loss shrunk by LOSS_SHRINK;
     the share of the last step's gradient values of the blocks' matrices that are exactly
     0, and how many steps the scaler skipped."""
     torch.manual_seed(args.seed)
@@ -329,6 +329,8 @@ def main():
     shape = shape_from_args(args)
     with distenv.initialize(args) as env:
         variants, param_count = run_variants(shape, args, env)
+        if not env.is_rank0:   # the other two parts use no process group: rank 0 alone
+            return
         metrics = {"variants": variants, "loss_scaling": run_loss_scaling(shape, args, env),
                    "fp8_gemm": run_fp8_gemm(shape, args, env), "param_count": param_count}
         for name, result in variants.items():
