@@ -47,7 +47,7 @@ FORMATS = {f.name: f for f in (
     Format("bf16", 8, 7, (2 - 2 ** -7) * 2.0 ** 127, 2.0 ** -126, 2.0 ** -133, 2),
     Format("fp16", 5, 10, 65504.0, 2.0 ** -14, 2.0 ** -24, 2),
     # e4m3 (torch.float8_e4m3fn): exponent bias 7, the all-ones exponent still holds
-    # numbers (only S.1111.111 is NaN), so the largest is 1.75 x 2^8
+    # numbers (only S.1111.111, of either sign, is NaN), so the largest is 1.75 x 2^8
     Format("e4m3", 4, 3, 448.0, 2.0 ** -6, 2.0 ** -9, 1),
     Format("e5m2", 5, 2, 57344.0, 2.0 ** -14, 2.0 ** -16, 1),
 )}
@@ -122,8 +122,9 @@ class Recipe:
 
 # What each recipe keeps and sends, per parameter (optimizer state aside: fp32 always).
 #   fp32           everything in fp32
-#   mixed          the ZeRO paper's and Megatron-LM's: bf16 (or fp16) parameters and
-#                  gradients, an fp32 master copy for the update, gradients reduced in bf16
+#   mixed          the ZeRO paper's fp16 recipe: 16-bit parameters and gradients, an fp32
+#                  master copy for the update, gradients reduced in 16 bits (Megatron-LM
+#                  with bf16 keeps and reduces its gradients in fp32 instead)
 #   bf16_autocast  fp32 parameters and gradients; torch.autocast casts each op's inputs to
 #                  bf16 as it runs, so FSDP2 still gathers and reduces fp32
 #   bf16_params    FSDP2 with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32):
