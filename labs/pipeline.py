@@ -221,9 +221,15 @@ def run_one(name, shape, m, args, env, expected, handoffs):
     # A wake-up as late as the latest this step saw (an op that overran its controlled
     # time overran by a late wake-up from its sleep) may hit any handoff: the range's top
     # adds it to the largest sample, so a busy machine widens the range by what it showed.
-    late = latest_wakeup(ranks, pipeline.clock.compute_s)
+        late = latest_wakeup(ranks, pipeline.clock.compute_s)
     handoff = ((statistics.median(handoffs), min(handoffs), max(handoffs) + late)
                if handoffs else (0.0, 0.0, late))
+    # Where a schedule records no waits (torch's own), the gap before each op stands for
+    # what the rank spent before it could take its input, and that gap already holds the
+    # time its input took to arrive: the range's bottom then adds no handoff on top, or
+    # the model would count the handoff twice and sit above what the step measured.
+    if any(e["wait_s"] is None for r in ranks for e in r["events"]):
+        handoff = (handoff[0], 0.0, handoff[2])
     with_handoff = [time_model.pipeline_bubble_with_handoff(orders, durations, latency,
                                                             before_input, busy)
                     for latency in handoff]
