@@ -32,7 +32,7 @@ def pytest_configure(config):
 HEAVY_FIRST = ("test_hybrid.py", "test_grad_averaging.py", "test_memory.py", "test_hang.py",
                "test_fsdp.py", "test_distenv.py", "test_tensor_parallel.py",
                "test_context_parallel.py", "test_mini_ddp.py", "test_checkpoint.py",
-               "test_zero_libraries.py")
+               "test_zero_libraries.py", "test_resilience.py", "test_precision.py")
 
 
 def pytest_collection_modifyitems(config, items):
