@@ -21,6 +21,9 @@ Launch lines (from the repository root):
                                --global-batch-tokens 16M --layout tp=8,pp=16,dp=128
   a mixture of experts:      python labs/plan.py --model deepseek-v3 --gpus 2048 \\
                                --ep 1,8,64 --global-batch-tokens 60M --json
+  in FP8, as DeepSeek-V3 ran:  python labs/plan.py --model deepseek-v3 --gpus 2048 \\
+                               --ep 64 --global-batch-tokens 60M --precision fp8 \\
+                               --fp8-activations
 
 --json prints {model, hardware, settings, global_batch_tokens, configurations}: the
 configurations fastest first, each {dp, tp, pp, cp, ep, chunks, zero, micro_batch,
@@ -37,7 +40,7 @@ import dataclasses
 import json
 import sys
 
-from labkit.predict import comm_model, hardware, memory_model, planner
+from labkit.predict import comm_model, hardware, memory_model, planner, precision_model
 from labkit.predict.arguments import ArgumentParser, choice_list, fail, positive_int
 
 def parse_tokens(text):
@@ -150,6 +153,13 @@ def parse_args(argv=None):
     choose.add_argument("--tp-overlap", type=fraction, default=planner.TP_OVERLAP,
                         help="fraction of tensor-parallel traffic hidden by compute "
                              "(asynchronous TP; default 0)")
+    choose.add_argument("--precision", choices=precision_model.PLANNER_PRECISIONS,
+                        default="bf16", help="the matrix products in bf16, or in FP8 (the "
+                        f"layers' linear products at {precision_model.FP8_PEAK_RATIO:g}x the "
+                        "peak, their weights gathered in FP8)")
+    choose.add_argument("--fp8-activations", action="store_true",
+                        help="with --precision fp8: keep the linear layers' inputs in FP8 "
+                             "for backward, as DeepSeek-V3 did")
     choose.add_argument("--layout", type=layout_type,
                         help="evaluate one layout, tp=8,pp=16,dp=128[,cp=..,ep=..,v=..]")
     parser.add_argument("--top", type=positive_int, default=10, help="configurations printed")
@@ -162,6 +172,8 @@ def parse_args(argv=None):
     if args.global_batch_tokens % args.model_shape.seq:
         fail(f"--global-batch-tokens {args.global_batch_tokens} is not a whole number of "
              f"--seq {args.model_shape.seq} sequences")
+    if args.fp8_activations and args.precision != "fp8":
+        fail("--fp8-activations needs --precision fp8")
     if args.mfu > 1:
         fail(f"--mfu is a fraction of the peak, at most 1, got {args.mfu}")
     if args.ep is None:
@@ -202,6 +214,7 @@ def settings_from_args(args):
     return planner.Settings(
         global_batch_tokens=args.global_batch_tokens, mfu=args.mfu, tp_overlap=args.tp_overlap,
         flash_attention=args.flash_attention, zero=tuple(args.zero),
+        precision=args.precision, fp8_activations=args.fp8_activations,
         recompute=planner.RECOMPUTE if args.recompute == "auto" else (args.recompute,))
 
 

@@ -1,7 +1,7 @@
 """Precision, measured: what bf16, fp16 and FP8 do to memory, to the bytes on the wire and
 to the numbers, beside what the cost models predict.
 
-Three parts, in one launch:
+Five parts, in one launch:
   variants      the course's transformer trained --steps steps with FSDP2 (fully_shard on
                 every block, then the root; SGD with momentum) under each precision recipe:
                 fp32; bf16_autocast (fp32 weights, torch.autocast casting each op to bf16);
@@ -20,6 +20,10 @@ Three parts, in one launch:
                 gradients, B x B blocks of weights, as DeepSeek-V3 §3.3.2 cuts them, each
                 block's product accumulated in fp32), against fp32; then with one input
                 channel made --outlier times larger. On rank 0 alone.
+  fp8_scale_pitfalls  a per-tensor scale from an amax of zero, an infinite amax, and a
+                stale amax below the tensor's own, each shown failing. On rank 0 alone.
+  bf16_reduce_error   gradients all-reduced in bf16 by the first n ranks, n = 1 ... N,
+                against their exact sum: the error grows with n.
 
 Launch lines (from the repository root):
   laptop, gloo on CPU:  torchrun --standalone --nproc_per_node=4 labs/precision.py --out p4.json
@@ -35,7 +39,10 @@ here}; loss_scaling {fp16_unscaled: {zero_gradient_fraction}, fp16_scaled:
 {zero_gradient_fraction, skipped_steps, final_scale}}; fp8_gemm {tensorwise, rowwise,
 blockwise: {relative_error and predicted_relative_error ({output, input_grad}),
 relative_error_with_outlier (of the other channels' product, under the outlier's scales)}};
-param_count.
+fp8_scale_pitfalls {amax_zero: {nan_fraction, nan_fraction_with_floor}, amax_infinite:
+{nan_fraction}, amax_stale: {stale_by, saturated_fraction, relative_error,
+relative_error_current_amax}}; bf16_reduce_error {n: {relative_error,
+predicted_relative_error}}; param_count.
 """
 
 import contextlib
@@ -43,6 +50,7 @@ import copy
 import logging
 
 import torch
+import torch.distributed as dist
 
 from labkit.model.transformer import Shape, Transformer, add_shape_args, shape_from_args
 from labkit.parallel.strategies import apply_fsdp, rank_batch, train_step, world_mesh
@@ -61,6 +69,8 @@ FP8_BLOCK = 128            # DeepSeek-V3's tile and block size
 OUTLIER = 100.0            # how much larger the outlier channel is
 LOSS_SHRINK = 2.0 ** -24   # the loss scaled down until fp16 gradients underflow
 INIT_SCALE = 2.0 ** 46     # GradScaler's first scale: too large, on purpose
+STALE_BY = 4               # a delayed-scaling amax this many times below the tensor's own
+REDUCE_NUMEL = 1 << 16     # values per rank of the bf16 reduction measured at n = 1 ... N
 TORCH_FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 # (param_dtype, reduce_dtype) of FSDP2's MixedPrecisionPolicy, by variant
 POLICIES = {"bf16_params": (torch.bfloat16, torch.float32),
@@ -285,6 +295,72 @@ def relative_error(value, exact):
     return ((value - exact).norm() / exact.norm()).item()
 
 
+def cast_with_amax(x, amax, fmt="e4m3"):
+    """x cast to `fmt` and back with the one scale an amax gives: amax / the format's
+    largest value, no floor and no check (what the pitfalls below break)."""
+    scale = amax / precision_model.FORMATS[fmt].max
+    return (x / scale).to(TORCH_FP8[fmt]).float() * scale
+
+
+def nan_fraction(x):
+    return torch.isnan(x).float().mean().item()
+
+
+def run_scale_pitfalls(shape, args, env):
+    """A per-tensor scale computed from a bad amax, each shown failing on an activation of
+    the model's shape: an amax of zero (a tensor of zeros: 0 / 0 is NaN; the floor that
+    scales() and torchao put under the amax keeps it finite); an infinite amax (one value
+    overflowed upstream: every other value is divided by infinity, then 0 x inf is NaN);
+    and a stale amax (delayed scaling's, from earlier steps) STALE_BY times below the
+    tensor's own, so that the values above it are cast to e4m3's largest value."""
+    generator = distenv.generator(args.seed, "fp8 scales")
+    x = torch.randn(BATCH * shape.seq, 4 * shape.hidden, generator=generator).to(env.device)
+    zeros = torch.zeros_like(x)
+    floor = torch.finfo(torch.float32).tiny
+    overflowed = x.clone()
+    overflowed[0, 0] = float("inf")
+    amax = x.abs().max()
+    stale = cast_with_amax(x, amax / STALE_BY)
+    scaled = x / (amax / STALE_BY / precision_model.FORMATS["e4m3"].max)
+    return {
+        "amax_zero": {"nan_fraction": nan_fraction(cast_with_amax(zeros, zeros.abs().max())),
+                      "nan_fraction_with_floor": nan_fraction(
+                          cast_with_amax(zeros, zeros.abs().max().clamp(min=floor)))},
+        "amax_infinite": {"nan_fraction": nan_fraction(
+            cast_with_amax(overflowed, overflowed.abs().max()))},
+        "amax_stale": {"stale_by": STALE_BY,
+                       "saturated_fraction": (scaled.abs() >= precision_model.FORMATS[
+                           "e4m3"].max).float().mean().item(),
+                       "relative_error": relative_error(stale, x),
+                       "relative_error_current_amax": relative_error(
+                           cast_with_amax(x, amax), x)},
+    }
+
+
+# ---------------------------------------------------------------- gradients summed in bf16
+
+def run_reduce_error(args, env):
+    """The error that reducing gradients in bf16 adds, as the ranks grow: REDUCE_NUMEL
+    gradient-like values per rank (zero mean, already bf16) all-reduced in bf16 by the first
+    n ranks, n = 1 ... world, against the same values all-reduced in fp64 (exact), beside
+    precision_model.sum_relative_error (a ring's additions, each partial sum rounded).
+    Every rank creates every group; the ranks past n sit that one out."""
+    groups = {n: dist.new_group(list(range(n))) for n in range(env.world_size, 0, -1)}
+    values = torch.randn(REDUCE_NUMEL, generator=distenv.generator(
+        args.seed, "bf16 reduce", env.rank)).to(torch.bfloat16).to(env.device)
+    results = {}
+    for n, group in groups.items():
+        if env.rank >= n:
+            continue
+        summed, exact = values.clone(), values.double()
+        dist.all_reduce(summed, group=group)
+        dist.all_reduce(exact, group=group)
+        results[str(n)] = {"relative_error": relative_error(summed.double(), exact),
+                           "predicted_relative_error": precision_model.sum_relative_error(
+                               "bf16", n)}
+    return dict(sorted(results.items(), key=lambda item: int(item[0])))
+
+
 def run_fp8_gemm(shape, args, env):
     """The model's second MLP matrix (input 4h, output h): forward y = x W^T and input
     gradient dx = dy W, per granularity, against fp32; then with one input channel of x
@@ -349,10 +425,13 @@ def main():
     shape = shape_from_args(args)
     with distenv.initialize(args) as env:
         variants, param_count = run_variants(shape, args, env)
+        reduce_error = run_reduce_error(args, env)
         if not env.is_rank0:   # the other two parts use no process group: rank 0 alone
             return
         metrics = {"variants": variants, "loss_scaling": run_loss_scaling(shape, args, env),
-                   "fp8_gemm": run_fp8_gemm(shape, args, env), "param_count": param_count}
+                   "fp8_gemm": run_fp8_gemm(shape, args, env),
+                   "fp8_scale_pitfalls": run_scale_pitfalls(shape, args, env),
+                   "bf16_reduce_error": reduce_error, "param_count": param_count}
         for name, result in variants.items():
             if "error" in result:
                 env.print0(f"{name:>14}: not run here ({result['error']})")
@@ -368,6 +447,15 @@ def main():
             env.print0(f"FP8 {granularity:>10}: output {result['relative_error']['output']:.4f}, "
                        f"input grad {result['relative_error']['input_grad']:.4f}; with the "
                        f"outlier {result['relative_error_with_outlier']:.4f} (the other channels)")
+        pitfalls = metrics["fp8_scale_pitfalls"]
+        env.print0(f"FP8 scales: amax 0 -> {pitfalls['amax_zero']['nan_fraction']:.0%} NaN "
+                   f"({pitfalls['amax_zero']['nan_fraction_with_floor']:.0%} with a floor); "
+                   f"amax inf -> {pitfalls['amax_infinite']['nan_fraction']:.0%} NaN; amax "
+                   f"{STALE_BY}x stale -> {pitfalls['amax_stale']['saturated_fraction']:.0%} "
+                   f"saturated, error {pitfalls['amax_stale']['relative_error']:.3f}")
+        env.print0("bf16 all-reduce error by ranks: " + ", ".join(
+            f"{n}: {r['relative_error']:.2e} (predicted {r['predicted_relative_error']:.2e})"
+            for n, r in reduce_error.items()))
         env.write_result(args, metrics)
 
 

@@ -18,6 +18,7 @@ import memory
 import plan
 from conftest import LABS, assert_fails_with_one_line, assert_refused
 from labkit.predict import comm_model, memory_model, planner, time_model
+from labkit.predict import precision_model as pm
 
 CHAPTER = Path(__file__).resolve().parent.parent / "book" / "hybrid.md"
 
@@ -155,6 +156,44 @@ def test_recomputation_trades_memory_for_compute():
     # a fused attention keeps no matrix: selective recomputation saves nothing more
     fused = planner.Settings(global_batch_tokens=4 * 2 ** 20)
     assert planner.memory(model, layout(), fused, hw) == mem["selective"]
+
+
+def test_fp8_runs_the_linear_products_faster_gathers_less_and_can_keep_less():
+    """--precision fp8: the layers' linear products at FP8_PEAK_RATIO times the peak, the
+    rest (attention's products, the embedding and head) as before; ZeRO-3's all-gathers
+    carry the linear weights in one byte; --fp8-activations keeps the linear layers'
+    inputs at half a 16-bit value (a dense Llama layer: QKV and MLP inputs, attention's
+    output, the last MLP matrix's input)."""
+    model, hw = planner.PRESETS["llama3-8b"], planner.Hardware(64)
+    bf16 = planner.Settings(global_batch_tokens=2 ** 21)
+    fp8 = planner.Settings(global_batch_tokens=2 ** 21, precision="fp8")
+    kept = planner.Settings(global_batch_tokens=2 ** 21, precision="fp8", fp8_activations=True)
+    config = layout(dp=16, tp=4, pp=1, zero="zero3", microbatches=4)
+    rate = hw.peak_tflops * 1e12 * bf16.mfu
+    saved = 6 * model.active_matrix_params() * (1 - 1 / pm.FP8_PEAK_RATIO) * 2 ** 21 / 64 / rate
+    times = {s: planner.step_time(model, config, s, hw) for s in (bf16, fp8)}
+    assert times[bf16]["compute"] - times[fp8]["compute"] == pytest.approx(saved)
+    # three quarters of an 8B model's FLOPs at 8K tokens are its layers' linear products
+    assert 0.35 < saved / times[bf16]["compute"] < 0.4
+    # a Llama layer's matrices: Q, O (h^2 each), K, V (h x kv each), three of h x f
+    h, f, kv = model.hidden, model.ffn, model.kv_dim
+    assert model.active_matrix_params() == model.layers * (2 * h * h + 2 * h * kv + 3 * h * f)
+    # the all-gathers shrink, the reduce-scatters do not: the data-parallel time drops
+    # by less than a third (two gathers and one reduce per unit, gathers at ~1/2)
+    assert pm.gather_bytes_per_value("bf16", 0.9) == 2.0
+    assert pm.gather_bytes_per_value("fp8", 0.9) == pytest.approx(1.1)
+    dp = {s: planner.data_parallel_time("zero3", 1e9, 1, 32, 16, 2, hw,
+                                        pm.gather_bytes_per_value(s.precision, 0.9))
+          for s in (bf16, fp8)}
+    assert 1 / 3 * (1 - 1.1 / 2) < 1 - dp[fp8] / dp[bf16] < 2 / 3 * (1 - 1.1 / 2) + 1e-9
+    # FP8-kept activations per token on one of 4 ranks: the QKV and MLP inputs (split by
+    # sequence parallelism), attention's output and the last matrix's input (split by tp)
+    plain = model.layer_activation_values(0, 4)
+    assert plain - model.layer_activation_values(0, 4, fp8_linear_inputs=True) == \
+        pytest.approx(0.5 * (2 * h / 4 + (h + f) / 4))
+    mem = {s: planner.memory(model, config, s, hw) for s in (fp8, kept)}
+    assert mem[kept]["activations"] < mem[fp8]["activations"]
+    assert mem[kept]["states"] == mem[fp8]["states"]   # the same master weights and state
 
 
 def test_auto_recomputation_picks_the_cheapest_that_fits(capsys):
@@ -323,6 +362,8 @@ def test_bad_input_is_refused_in_one_line(script):
     assert_refused(plan.parse_args, ["--layers", "2", "--hidden", "64", "--heads", "4",
                                      "--vocab", "100", "--experts", "4", "--top-k", "8",
                                      "--expert-hidden", "32", "--gpus", "8"], "--top-k")
+    assert_refused(plan.parse_args, ["--model", "llama3-8b", "--gpus", "8", "--fp8-activations"],
+                   "--fp8-activations needs --precision fp8")
     assert_fails_with_one_line(script("plan", "--params", "lots", "--gpus", "8"), "--params")
 
 

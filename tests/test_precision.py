@@ -1,8 +1,10 @@
 """The precision lab: FSDP2 under each precision recipe against the memory and
 communication models, fp16 with and without loss scaling, and FP8 matrix products against
-the formats' error model; at N = 3 (odd: FSDP2 pads uneven shards) in one launch, and bad
-input. The chapter runs N = 2, where torchao's float8 all-gather runs, and asserts its bytes
-(precision.md, hidden cells)."""
+the formats' error model, FP8 scales from bad amaxes, and gradients summed in bf16 over
+1 ... N ranks; at N = 3 (odd: FSDP2 pads uneven shards) in one launch, and bad input. The
+chapter runs N = 4, where torchao's float8 all-gather runs, and asserts its bytes
+(precision.md, hidden cells). A missing peer: test_distenv (every lab forms its group in
+distenv.initialize)."""
 
 import pytest
 
@@ -58,6 +60,29 @@ def test_fp8_products_err_as_the_formats_predict(three):
                 result["predicted_relative_error"][part], rel=0.10), (granularity, part)
         assert result["relative_error_with_outlier"] == pytest.approx(
             result["predicted_relative_error"]["output"], rel=0.10), granularity
+
+
+def test_a_scale_from_a_bad_amax_fails_and_the_floor_holds(three):
+    pitfalls = three["fp8_scale_pitfalls"]
+    assert pitfalls["amax_zero"]["nan_fraction"] == 1.0          # 0 / 0
+    assert pitfalls["amax_zero"]["nan_fraction_with_floor"] == 0.0
+    assert pitfalls["amax_infinite"]["nan_fraction"] == 1.0      # x / inf, then 0 x inf
+    stale = pitfalls["amax_stale"]
+    # values past the stale amax are cast to 448: a few per cent of them, a large error
+    assert 0.001 < stale["saturated_fraction"] < 0.5
+    assert stale["relative_error"] > 10 * stale["relative_error_current_amax"]
+
+
+def test_a_bf16_reduction_errs_more_over_more_ranks(three):
+    """One rank sums nothing; two and three round their partial sums, as predicted within
+    20 % (gloo's ring adds one rank's chunk at a time; normal values are near Benford's)."""
+    errors = three["bf16_reduce_error"]
+    assert list(errors) == ["1", "2", "3"]
+    assert errors["1"]["relative_error"] == 0.0 == errors["1"]["predicted_relative_error"]
+    for n in ("2", "3"):
+        assert errors[n]["relative_error"] == pytest.approx(
+            errors[n]["predicted_relative_error"], rel=0.20), n
+    assert errors["3"]["relative_error"] > errors["2"]["relative_error"]
 
 
 @pytest.mark.parametrize("args, words", [

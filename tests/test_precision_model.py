@@ -125,3 +125,25 @@ def test_the_recipes_keep_and_send_what_their_names_say():
         comm_model.data_parallel_bytes_per_rank("ddp", psi, n, value_bytes=2))
     with pytest.raises(ValueError, match="unknown precision 'fp4'"):
         memory_model.bytes_per_parameter("adam", "fp4")
+
+
+def test_a_sum_in_bf16_errs_as_the_ring_model_says():
+    """Values already in bf16 added one at a time in bf16 (each partial sum rounded, as a
+    ring passes it on) against their exact sum: no error for one value, then growing as
+    sqrt((n + 1)/2 - 1/n), within 15 % of the model (normal values' significands are close
+    to Benford's, not exactly)."""
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(8, 1 << 16, generator=generator).to(torch.bfloat16)
+    errors = []
+    for n in range(1, 9):
+        partial = values[0].clone()
+        for k in range(1, n):
+            partial = partial + values[k]
+        exact = values[:n].double().sum(0)
+        errors.append(((partial.double() - exact).norm() / exact.norm()).item())
+        assert errors[-1] == pytest.approx(pm.sum_relative_error("bf16", n), rel=0.15, abs=0)
+    assert errors[0] == 0 and errors == sorted(errors)
+    assert pm.sum_relative_error("bf16", 1024) == pytest.approx(
+        pm.rounding_rms("bf16") * math.sqrt(512.5 - 1 / 1024))
+    with pytest.raises(ValueError, match="at least one value"):
+        pm.sum_relative_error("bf16", 0)

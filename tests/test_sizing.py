@@ -17,10 +17,12 @@ def test_the_zero_papers_example():
     assert got == {"ddp": 120.0, "zero1": 31.4, "zero2": 16.6, "zero3": 1.9}
 
 
-def test_the_planner_answers_as_the_command_line_does(capsys):
+@pytest.mark.parametrize("matmuls", ["bf16", "fp8_activations"])
+def test_the_planner_answers_as_the_command_line_does(capsys, matmuls):
     fields = {"model": "llama3-70b", "gpus": "256", "global_batch_tokens": "4M",
-              "layout": "tp=8,pp=1,dp=32"}
+              "layout": "tp=8,pp=1,dp=32", "matmuls": matmuls}
     result = sizing.run(fields)
+    assert ("--precision fp8 --fp8-activations" in result["command"]) == (matmuls != "bf16")
     plan.main(result["command"].split()[2:] + ["--json"])
     cli = json.loads(capsys.readouterr().out)
     keys = ("dp", "tp", "pp", "cp", "ep", "chunks", "zero", "micro_batch", "recompute")
@@ -48,6 +50,7 @@ def test_a_mixture_of_experts_preset_is_planned_with_expert_parallelism():
     ({"model": "shape", "layers": "2", "hidden": "100", "heads": "3", "vocab": "10",
       "gpus": "8"}, "hidden 100 is not divisible by heads 3"),
     ({"model": "gpt5", "gpus": "8"}, "model: choose a preset"),
+    ({"model": "llama3-70b", "gpus": "8", "matmuls": "fp4"}, "matrix products: choose from"),
 ])
 def test_bad_input_is_one_line(fields, words):
     with pytest.raises(sizing.SizingError) as error:

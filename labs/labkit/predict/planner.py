@@ -33,6 +33,12 @@ pipeline's sends; the data-parallel collectives (comm_model.data_parallel_step_c
 over the hierarchical links (time_model.hierarchical_allreduce_time), hidden behind
 backward as far as they fit; context parallelism's ring, exposed where a block's transfer
 outlasts its compute; expert parallelism's all-to-alls, exposed.
+
+Precision (Settings.precision): bf16, or FP8 for the layers' linear products, which then
+run at precision_model.FP8_PEAK_RATIO times the peak (attention's products, the embedding
+and the head stay bf16) and whose weights the parameter all-gathers carry in one byte;
+with fp8_activations the linear layers' inputs are kept in FP8 for backward
+(Model.layer_activation_values). The MFU reported stays against the bf16 peak.
 """
 
 import dataclasses
@@ -40,7 +46,7 @@ import functools
 import math
 from collections import Counter
 
-from . import comm_model, hardware, memory_model, time_model
+from . import comm_model, hardware, memory_model, precision_model, time_model
 
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "interleaved")
@@ -132,18 +138,22 @@ class Model:
             return 2 * h * ffn + ffn, h
         return 3 * h * ffn, 0
 
-    def layer_params(self, layer, tp=1, ep=1):
+    def layer_params(self, layer, tp=1, ep=1, matrices_only=False):
         """(dense, expert) parameters one rank holds of layer `layer`, split tp ways, its
-        routed experts ep ways (their matrices tp ways too, as Megatron-Core's default)."""
+        routed experts ep ways (their matrices tp ways too, as Megatron-Core's default).
+        matrices_only: the linear layers' weights alone (the split parts, their small
+        column-parallel biases with them), what an FP8 recipe casts: no norms, no router."""
         split, replicated = self.attention()
+        keep = 0 if matrices_only else 1
         if self.experts and layer >= self.dense_layers:
             e_split, e_repl = self.mlp(self.expert_hidden)
             shared = self.shared_experts * e_split
             router = self.hidden * self.experts
-            dense = (split + shared) / tp + replicated + router + self.shared_experts * e_repl
-            return dense, self.experts / ep * (e_split / tp + e_repl)
+            dense = (split + shared) / tp + keep * (replicated + router
+                                                    + self.shared_experts * e_repl)
+            return dense, self.experts / ep * (e_split / tp + keep * e_repl)
         m_split, m_repl = self.mlp(self.ffn)
-        return (split + m_split) / tp + replicated + m_repl, 0
+        return (split + m_split) / tp + keep * (replicated + m_repl), 0
 
     def outside_params(self, first, last, tp=1):
         """Parameters of the embedding (first stage) and final norm and head (last)."""
@@ -167,6 +177,20 @@ class Model:
         routed = self.mlp(self.expert_hidden)
         return self.params() - self.moe_layers * (self.experts - self.top_k) * sum(routed)
 
+    @functools.lru_cache(maxsize=None)   # noqa: B019  a frozen model: its count never changes
+    def active_matrix_params(self):
+        """Of active_params, the layers' linear weights a token passes through (its top_k
+        routed experts and the shared ones): the products an FP8 recipe runs in FP8."""
+        total = 0
+        for layer in range(self.layers):
+            split, _ = self.attention()
+            if self.experts and layer >= self.dense_layers:
+                total += split + (self.top_k + self.shared_experts) * self.mlp(
+                    self.expert_hidden)[0]
+            else:
+                total += split + self.mlp(self.ffn)[0]
+        return total
+
     def attention_flops_per_token(self):
         """Attention's two matrix products, forward and backward, per token: 12 L h s
         (scores Q K^T and weights x V, 2 x 2 h s forward, twice that backward), causal
@@ -175,14 +199,19 @@ class Model:
 
     # Activations: values one layer keeps per token (Korthikanti et al., 2022)
 
-    def layer_activation_values(self, layer, tp, sequence_parallel=True, flash=True):
+    def layer_activation_values(self, layer, tp, sequence_parallel=True, flash=True,
+                                fp8_linear_inputs=False):
         """16-bit values per token one layer keeps for backward on one of tp ranks, no
         dropout: the norms' inputs 2h, the QKV input h, Q h, K and V 2 h_kv, attention's
         output h, the MLP's input h, the MLP's inner values (GELU's input and output 2f;
         SwiGLU's gate, up and their product 3f; a MoE layer: k routed copies of the input,
         inner values and output, and the shared experts'). The norms' and matmul inputs
         (4h) are replicated over tp unless sequence parallelism splits the tokens.
-        Without a fused attention, the softmax's output: heads x s more per token."""
+        Without a fused attention, the softmax's output: heads x s more per token.
+        fp8_linear_inputs: the inputs of the linear layers kept in FP8 for their weight
+        gradients, as DeepSeek-V3 caches them (§3.3.3), each half a 16-bit value: the QKV
+        and MLP inputs, attention's output, the last MLP matrix's input (f of the inner
+        values; each routed slot's input and inner product in a MoE layer)."""
         h, split_inputs = self.hidden, (tp if sequence_parallel else 1)
         inner_per_width = 2 if self.gpt else 3
         if self.experts and layer >= self.dense_layers:   # the routing taken as even
@@ -192,6 +221,13 @@ class Model:
             mlp = inner_per_width * self.ffn
         split = h + 2 * self.kv_dim + h + mlp
         values = 4 * h / split_inputs + split / tp
+        if fp8_linear_inputs:
+            if self.experts and layer >= self.dense_layers:
+                routed = self.top_k * (h + self.expert_hidden) + \
+                    self.shared_experts * self.expert_hidden
+            else:
+                routed = self.ffn
+            values -= 0.5 * (2 * h / split_inputs + (h + routed) / tp)
         if not flash:
             values += self.heads * self.seq / tp
         return values
@@ -224,6 +260,12 @@ class Settings:
     flash_attention: bool = True
     zero: tuple = ZERO
     recompute: tuple = RECOMPUTE     # or one of them
+    # the matrix products in bf16 or FP8 (precision_model.PLANNER_PRECISIONS): FP8 runs the
+    # layers' linear products at precision_model.FP8_PEAK_RATIO times the peak and gathers
+    # their weights in FP8; fp8_activations (a run's own choice, as DeepSeek-V3's) also
+    # keeps the linear layers' inputs in FP8 for backward
+    precision: str = "bf16"
+    fp8_activations: bool = False
 
 
 def divisors(n):
@@ -245,9 +287,11 @@ def group_time(op, bytes_, size, span_per_node, hw):
     return whole if op == "all_reduce" else whole / 2
 
 
-def priced(collectives, size, per_node, hw):
-    """Seconds of a list of (op, elements) collectives of 16-bit values (group_time)."""
-    return sum(count * group_time(op, VALUE_BYTES * numel, size, per_node, hw)
+def priced(collectives, size, per_node, hw, gather_bytes=VALUE_BYTES):
+    """Seconds of a list of (op, elements) collectives of 16-bit values (group_time), the
+    all-gathers' at `gather_bytes` per element (less where FP8 weights are gathered)."""
+    return sum(count * group_time(op, (gather_bytes if op == "all_gather" else VALUE_BYTES)
+                                  * numel, size, per_node, hw)
                for (op, numel), count in Counter(collectives).items())
 
 
@@ -267,26 +311,33 @@ def tensor_parallel_time(layers, seq, batch, hidden, tp, embedding, microbatches
 
 
 @functools.lru_cache(maxsize=65536)
-def data_parallel_time(zero, params, microbatches, units, size, per_node, hw):
+def data_parallel_time(zero, params, microbatches, units, size, per_node, hw,
+                       gather_bytes=VALUE_BYTES):
     """Seconds of a step's data-parallel collectives (comm_model.
-    data_parallel_step_collectives) over `size` replicas, `per_node` of them per node."""
+    data_parallel_step_collectives) over `size` replicas, `per_node` of them per node, the
+    parameters gathered at `gather_bytes` per element."""
     return priced(comm_model.data_parallel_step_collectives(zero, params, microbatches,
-                                                            units), size, per_node, hw)
+                                                            units), size, per_node, hw,
+                  gather_bytes)
 
 
 @functools.lru_cache(maxsize=65536)
-def stage_params(model, first_layer, layers, tp, ep, first, last):
+def stage_params(model, first_layer, layers, tp, ep, first, last, matrices_only=False):
     """(dense, expert) parameters one rank of a stage holds: `layers` layers from
-    `first_layer`, the embedding if `first`, the final norm and head if `last`."""
+    `first_layer`, the embedding if `first`, the final norm and head if `last`;
+    matrices_only: the layers' linear weights alone (Model.layer_params)."""
     dense = expert = 0
     for i in range(first_layer, first_layer + layers):
-        d, e = model.layer_params(i, tp, ep)
+        d, e = model.layer_params(i, tp, ep, matrices_only)
         dense, expert = dense + d, expert + e
+    if matrices_only:
+        return dense, expert
     return dense + model.outside_params(first, last, tp), expert
 
 
 @functools.lru_cache(maxsize=65536)
-def stage_footprints(model, pp, tp, ep, replicas, zero, recompute, flash):
+def stage_footprints(model, pp, tp, ep, replicas, zero, recompute, flash,
+                     fp8_activations=False):
     """Per pipeline stage, what one rank holds whatever the micro-batches: (its model
     states {params, grads, optimizer, total} in mixed-precision Adam, the dense weights
     over `replicas` ranks and each expert's over replicas / ep; the activation values per
@@ -302,10 +353,11 @@ def stage_footprints(model, pp, tp, ep, replicas, zero, recompute, flash):
             states = {k: states[k] + e[k] for k in states}
         if recompute == "full":     # each layer's input, and one layer rebuilt at a time
             kept = count * model.hidden / tp
-            rebuilt = stage_activation_values(model, first_layer, count, tp, flash)[1]
+            rebuilt = stage_activation_values(model, first_layer, count, tp, flash,
+                                              fp8_activations)[1]
         else:   # selective recomputation rebuilds attention's s x s part: none kept
             kept = stage_activation_values(model, first_layer, count, tp,
-                                           flash or recompute != "none")[0]
+                                           flash or recompute != "none", fp8_activations)[0]
             rebuilt = 0
         footprints.append((states, kept, rebuilt))
         first_layer += count
@@ -313,9 +365,9 @@ def stage_footprints(model, pp, tp, ep, replicas, zero, recompute, flash):
 
 
 @functools.lru_cache(maxsize=65536)
-def stage_activation_values(model, first_layer, layers, tp, flash):
+def stage_activation_values(model, first_layer, layers, tp, flash, fp8_activations=False):
     """(sum, largest) of layer_activation_values over a stage's layers."""
-    values = [model.layer_activation_values(i, tp, True, flash)
+    values = [model.layer_activation_values(i, tp, True, flash, fp8_activations)
               for i in range(first_layer, first_layer + layers)]
     return sum(values), max(values, default=0)
 
@@ -368,7 +420,7 @@ def memory(model, layout, settings, hw):
     in_flight = memory_model.pipeline_peak_microbatches(schedule, pp, m, v)
     tokens = model.seq // cp * b                  # of one micro-batch, on this rank
     footprints = stage_footprints(model, pp, tp, ep, replicas, zero, recompute,
-                                  settings.flash_attention)
+                                  settings.flash_attention, settings.fp8_activations)
     if layout.get("dualpipe"):   # [(stage, micro-batches held)] of each rank
         holdings = memory_model.dualpipe_peak_microbatches(pp, m)
     else:   # in flight: micro-batches (1F1B) or chunk-micro-batches of 1/v of the layers
@@ -411,7 +463,9 @@ def step_time(model, layout, settings, hw):
     # Attention's products as executed: a fused kernel skips the blocks a causal mask hides
     attention = model.attention_flops_per_token() * (0.5 if settings.flash_attention else 1)
     dense = 6 * model.active_params()
-    compute = (dense + attention) * tokens / n / rate
+    # FP8 runs the layers' linear products at its higher peak, the rest stays bf16
+    fp8 = 6 * model.active_matrix_params() if settings.precision == "fp8" else 0
+    compute = (dense - fp8 + fp8 / precision_model.FP8_PEAK_RATIO + attention) * tokens / n / rate
     forward = compute / 3
     extra = {"none": 0.0, "full": forward,
              "selective": attention / 3 * tokens / n / rate}[recompute]
@@ -443,10 +497,16 @@ def step_time(model, layout, settings, hw):
     dense, experts = stage_params(model, layers_here.start, len(layers_here), tp, ep,
                                   pp == 1, True)
     # the dense replicas' ranks are tp apart; an expert's replicas, tp x ep apart
-    for params, size, inner in ((dense, replicas, tp), (experts, replicas // ep, tp * ep)):
+    matrices = stage_params(model, layers_here.start, len(layers_here), tp, ep, pp == 1,
+                            True, True)
+    for params, fp8_params, size, inner in ((dense, matrices[0], replicas, tp),
+                                            (experts, matrices[1], replicas // ep, tp * ep)):
         if params and size > 1:
             per_node = members_per_node(inner, size, hw)
-            dp_s += data_parallel_time(zero, params, m, len(layers_here), size, per_node, hw)
+            gather = precision_model.gather_bytes_per_value(settings.precision,
+                                                            fp8_params / params)
+            dp_s += data_parallel_time(zero, params, m, len(layers_here), size, per_node, hw,
+                                       gather)
     backward = 2 * forward
     window = {"ddp": backward / m, "zero1": backward / m, "zero2": backward,
               "zero3": work}[zero]

@@ -13,6 +13,9 @@ quantities with torch's own casts and torch._scaled_mm.
                           for values whose leading digits follow Benford's law
   gemm_relative_error     a matrix product's relative error when both operands were
                           rounded (independent errors, a sum accumulated exactly)
+  sum_relative_error      a sum of n values accumulated in a format one addition at a time,
+                          as a ring reduction passes its partial sum on: the error that
+                          reducing gradients in bf16 adds, growing with the ranks
   outlier_headroom        how far below a tensor's largest value a value can be and still
                           be normal once the tensor is scaled so that its largest value
                           is the format's largest: the outlier a scale can absorb
@@ -94,6 +97,21 @@ def gemm_relative_error(input_format, weight_format=None):
     return math.hypot(a, w)
 
 
+def sum_relative_error(name, n):
+    """Relative error (RMS, against the exact sum) that summing n values in format `name`
+    adds to them, the values already in `name`, independent, of zero mean and equal
+    spread, added one at a time with every partial sum rounded: a ring all-reduce or
+    reduce-scatter, where each rank adds its own chunk to the partial sum it receives and
+    passes the rounded result on. The k-th partial sum (k = 2 ... n) has variance k s^2
+    and is rounded with the relative error above, so the errors add up to
+    rms^2 s^2 (n(n + 1)/2 - 1) against the sum's n s^2: rms x sqrt((n + 1)/2 - 1/n), zero
+    for one rank, about rms x sqrt(n / 2) for many. A tree (NCCL's, across nodes) rounds
+    each value about log2(n) times instead, and errs less."""
+    if n < 1:
+        raise ValueError(f"a sum needs at least one value, got n = {n}")
+    return rounding_rms(name) * math.sqrt((n + 1) / 2 - 1 / n)
+
+
 def outlier_headroom(name):
     """max / min_normal: a tensor scaled so that its largest value lands on the format's
     largest keeps every value within this factor of the largest normal, and rounds it
@@ -160,3 +178,34 @@ def gathered_bytes(name, numel, fp8_numel=0):
     if recipe.fp8_gather is None:
         return numel * recipe.gather
     return fp8_numel * recipe.fp8_gather + (numel - fp8_numel) * recipe.gather
+
+
+# ---------------------------------------------------------------- FP8 training, priced
+
+# The planner's two ways to run a step's matrix products: bf16, or FP8 as torchao's
+# float8 training and DeepSeek-V3 do it (the layers' linear weights and their inputs cast
+# to FP8, the products accumulated in fp32; the embedding, the output head, the norms,
+# the router and attention's own products stay in bf16).
+PLANNER_PRECISIONS = ("bf16", "fp8")
+# The dense FP8 tensor-core peak over the dense bf16 peak of the same GPU: 1,979 TFLOP/s
+# against 989 on the H100 SXM (NVIDIA's H100 datasheet; the datasheet's 3,958 and 1,979
+# count 2:4 sparsity). The planner assumes the same efficiency at both peaks, so FP8's
+# casts and scales are left out: an upper bound on what FP8 gains.
+FP8_PEAK_RATIO = 2.0
+
+
+def gather_bytes_per_value(precision, fp8_share):
+    """Mean bytes per parameter of a parameter all-gather under the planner's `precision`,
+    `fp8_share` of the parameters being FP8 linear weights (gathered in FP8 by torchao's
+    enable_fsdp_float8_all_gather and Megatron-Core's --fp8-param-gather; the rest in
+    bf16). Their per-tensor scales are a few bytes and left out."""
+    if precision not in PLANNER_PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; choose from "
+                         f"{', '.join(PLANNER_PRECISIONS)}")
+    if not 0 <= fp8_share <= 1:
+        raise ValueError(f"fp8_share is a fraction, got {fp8_share}")
+    bf16 = FORMATS["bf16"].bytes
+    if precision == "bf16":
+        return float(bf16)
+    return fp8_share * FORMATS["e4m3"].bytes + (1 - fp8_share) * bf16
+

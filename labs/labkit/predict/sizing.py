@@ -13,6 +13,8 @@ from . import comm_model, memory_model, planner
 
 ZERO_STAGES = memory_model.STRATEGIES
 TOP = 5
+# the form's "matrix products" choice: (plan.py's --precision, --fp8-activations)
+MATMULS = {"bf16": ("bf16", False), "fp8": ("fp8", False), "fp8_activations": ("fp8", True)}
 
 
 class SizingError(ValueError):
@@ -123,6 +125,9 @@ def run(fields):
         raise SizingError(f"optimizer: choose from {', '.join(memory_model.OPTIMIZERS)}")
     if precision not in memory_model.PRECISIONS:
         raise SizingError(f"precision: choose from {', '.join(memory_model.PRECISIONS)}")
+    matmuls = str(fields.get("matmuls", "bf16") or "bf16")
+    if matmuls not in MATMULS:
+        raise SizingError(f"matrix products: choose from {', '.join(MATMULS)}")
     hw = planner.Hardware(gpus=gpus, gpus_per_node=_whole(fields, "gpus_per_node", 8),
                           gpu_memory_gb=_number(fields, "gpu_memory_gb", 80.0))
     if hw.gpus % hw.gpus_per_node and hw.gpus > hw.gpus_per_node:
@@ -146,7 +151,9 @@ def run(fields):
         result["planner"] = None   # the planner prices mixed-precision Adam only
         result["planner_note"] = "the planner prices mixed-precision Adam only"
         return result
-    settings = planner.Settings(global_batch_tokens=tokens)
+    compute_precision, fp8_activations = MATMULS[matmuls]
+    settings = planner.Settings(global_batch_tokens=tokens, precision=compute_precision,
+                                fp8_activations=fp8_activations)
     cp = sorted({1, layout["cp"]}) if layout else [1]
     ep = ([e for e in (1, 2, 4, 8, 16, 32, 64) if model.experts % e == 0]
           if model.experts else None)
@@ -183,4 +190,10 @@ def command_line(fields):
         value = str(fields.get(name, "") or "").strip()
         if value:
             parts += [f"--{name.replace('_', '-')}", value]
+    compute_precision, fp8_activations = MATMULS.get(str(fields.get("matmuls", "bf16")),
+                                                     ("bf16", False))
+    if compute_precision != "bf16":
+        parts += ["--precision", compute_precision]
+    if fp8_activations:
+        parts.append("--fp8-activations")
     return " ".join(parts)
