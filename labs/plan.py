@@ -158,8 +158,8 @@ def parse_args(argv=None):
                         f"layers' linear products at {precision_model.FP8_PEAK_RATIO:g}x the "
                         "peak, their weights gathered in FP8)")
     choose.add_argument("--fp8-activations", action="store_true",
-                        help="with --precision fp8: keep the linear layers' inputs in FP8 "
-                             "for backward, as DeepSeek-V3 did")
+                        help="with --precision fp8: cache the activations for backward as "
+                             "DeepSeek-V3 did, most of them in FP8")
     choose.add_argument("--layout", type=layout_type,
                         help="evaluate one layout, tp=8,pp=16,dp=128[,cp=..,ep=..,v=..]")
     parser.add_argument("--top", type=positive_int, default=10, help="configurations printed")

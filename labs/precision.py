@@ -40,7 +40,7 @@ here}; loss_scaling {fp16_unscaled: {zero_gradient_fraction}, fp16_scaled:
 blockwise: {relative_error and predicted_relative_error ({output, input_grad}),
 relative_error_with_outlier (of the other channels' product, under the outlier's scales)}};
 fp8_scale_pitfalls {amax_zero: {nan_fraction, nan_fraction_with_floor}, amax_infinite:
-{nan_fraction}, amax_stale: {stale_by, saturated_fraction, relative_error,
+{nan_fraction}, amax_stale: {stale_by, nan_fraction, saturated_fraction, relative_error,
 relative_error_current_amax}}; bf16_reduce_error {n: {relative_error,
 predicted_relative_error}}; param_count.
 """
@@ -312,7 +312,8 @@ def run_scale_pitfalls(shape, args, env):
     scales() and torchao put under the amax keeps it finite); an infinite amax (one value
     overflowed upstream: every other value is divided by infinity, then 0 x inf is NaN);
     and a stale amax (delayed scaling's, from earlier steps) STALE_BY times below the
-    tensor's own, so that the values above it are cast to e4m3's largest value."""
+    tensor's own, so that the values above it are cast to e4m3's largest value (torch
+    2.12 on; earlier versions return NaN for them, counted in nan_fraction)."""
     generator = distenv.generator(args.seed, "fp8 scales")
     x = torch.randn(BATCH * shape.seq, 4 * shape.hidden, generator=generator).to(env.device)
     zeros = torch.zeros_like(x)
@@ -328,7 +329,7 @@ def run_scale_pitfalls(shape, args, env):
                           cast_with_amax(zeros, zeros.abs().max().clamp(min=floor)))},
         "amax_infinite": {"nan_fraction": nan_fraction(
             cast_with_amax(overflowed, overflowed.abs().max()))},
-        "amax_stale": {"stale_by": STALE_BY,
+        "amax_stale": {"stale_by": STALE_BY, "nan_fraction": nan_fraction(stale),
                        "saturated_fraction": (scaled.abs() >= precision_model.FORMATS[
                            "e4m3"].max).float().mean().item(),
                        "relative_error": relative_error(stale, x),

@@ -186,11 +186,12 @@ def test_fp8_runs_the_linear_products_faster_gathers_less_and_can_keep_less():
                                         pm.gather_bytes_per_value(s.precision, 0.9))
           for s in (bf16, fp8)}
     assert 1 / 3 * (1 - 1.1 / 2) < 1 - dp[fp8] / dp[bf16] < 2 / 3 * (1 - 1.1 / 2) + 1e-9
-    # FP8-kept activations per token on one of 4 ranks: the QKV and MLP inputs (split by
-    # sequence parallelism), attention's output and the last matrix's input (split by tp)
+    # DeepSeek-V3's cache per token on one of 4 ranks: the QKV and MLP inputs (split by
+    # sequence parallelism) halved; attention's output (split by tp) at 12 of 16 bits;
+    # SwiGLU's gate and up halved and its product recomputed: 2f of its 3f
     plain = model.layer_activation_values(0, 4)
-    assert plain - model.layer_activation_values(0, 4, fp8_linear_inputs=True) == \
-        pytest.approx(0.5 * (2 * h / 4 + (h + f) / 4))
+    assert plain - model.layer_activation_values(0, 4, fp8_activations=True) == \
+        pytest.approx(0.5 * 2 * h / 4 + (0.25 * h + 2 * f) / 4)
     mem = {s: planner.memory(model, config, s, hw) for s in (fp8, kept)}
     assert mem[kept]["activations"] < mem[fp8]["activations"]
     assert mem[kept]["states"] == mem[fp8]["states"]   # the same master weights and state
@@ -241,6 +242,24 @@ def test_data_parallel_groups_across_nodes_are_hierarchical():
     assert planner.members_per_node(8, 32, hw) == 1 and planner.members_per_node(2, 60, hw) == 4
 
 
+def test_all_gathers_and_reduce_scatters_across_nodes_are_rings():
+    """NCCL has no tree for these two: over 2,048 GPUs (256 nodes) a 1 MB all-gather, where
+    a tree all-reduce's log2 latency wins, still pays a ring's 255 network steps; priced as
+    half the tree-choosing all-reduce it came out several times too cheap."""
+    hw, bytes_, size = planner.Hardware(2048), 1e6, 2048
+    gather = planner.group_time("all_gather", bytes_, size, 8, hw)
+    assert gather == time_model.hierarchical_shard_collective_time(bytes_, size, 8, hw.nvlink,
+                                                                   hw.network)
+    nodes = size // 8
+    assert gather == pytest.approx(7 * hw.nvlink[0] + 7 / 8 * bytes_ / hw.nvlink[1]
+                                   + (nodes - 1) * hw.network[0]
+                                   + (nodes - 1) / nodes * bytes_ / 8 / hw.network[1])
+    tree_halved = planner.group_time("all_reduce", bytes_, size, 8, hw) / 2
+    assert gather > 3 * tree_halved
+    assert planner.group_time("all_gather", bytes_, 8, 8, hw) == \
+        time_model.shard_collective_time(bytes_, 8, *hw.nvlink)
+
+
 def test_context_parallelism_splits_activations_and_hides_its_ring_on_long_sequences():
     model = planner.PRESETS["llama3-8b"]
     hw = planner.Hardware(64)
@@ -262,6 +281,57 @@ def test_context_parallelism_splits_activations_and_hides_its_ring_on_long_seque
 def dataclasses_replace(model, **changes):
     import dataclasses
     return dataclasses.replace(model, **changes)
+
+
+def test_pipeline_sends_split_over_tensor_and_context_parallel_ranks():
+    """Each tensor-parallel rank sends its 1/tp of a micro-batch's b s h activations
+    (sequence parallelism), of its s/cp tokens: one forward and one backward per
+    micro-batch and chunk."""
+    model, hw = planner.PRESETS["llama3-70b"], planner.Hardware(512)
+    settings = planner.Settings(global_batch_tokens=4 * 2 ** 20)
+    for tp, cp in ((1, 1), (8, 1), (8, 2)):
+        config = layout(dp=512 // (tp * cp * 8), tp=tp, pp=8, cp=cp, microbatches=8)
+        got = planner.step_time(model, config, settings, hw)["pp"]
+        alpha, beta = hw.network
+        expected = 8 * 1 * 2 * (alpha + 2 * 1 * (model.seq // cp) * model.hidden / tp / beta)
+        assert got == pytest.approx(expected), (tp, cp)
+
+
+def test_grouped_query_attention_shrinks_gpt_layers_too():
+    """kv_heads narrows K and V in a GPT-style layer as in a Llama-style one: fewer
+    parameters, and so fewer FLOPs; plan.py's --kv-heads counts without --llama."""
+    full = planner.Model(4, 1024, 16, 2048, 50000)
+    grouped = planner.Model(4, 1024, 16, 2048, 50000, kv_heads=4)
+    h, kv = 1024, 4 * 64
+    assert full.attention() == (4 * h * h + 3 * h, 5 * h)
+    assert grouped.attention() == (2 * h * h + 2 * h * kv + h + 2 * kv, 5 * h)
+    assert full.params() - grouped.params() == 4 * (2 * h * (h - kv) + 2 * (h - kv))
+    args = plan.parse_args(["--layers", 4, "--hidden", 1024, "--heads", 16, "--vocab", 50000,
+                            "--kv-heads", 4, "--gpus", 8])
+    assert args.model_shape.params() == grouped.params()
+
+
+def test_latent_attention_attends_in_its_own_head_widths():
+    """DeepSeek-V3's heads attend in 192 dimensions (128 + 64 rotary) and return 128: its
+    attention products per token are 6 L s heads (192 + 128), not 12 L h s, and the
+    context-parallel ring passes K and V of those widths."""
+    model = planner.PRESETS["deepseek-v3"]
+    assert (model.qk_dim, model.v_dim) == (192, 128)
+    assert model.attention_flops_per_token() == 6 * 61 * 4096 * 128 * (192 + 128)
+    assert model.attention_widths() == (128 * 192, 128 * 192, 128 * 128, 128 * 128)
+    llama = planner.PRESETS["llama3-70b"]
+    assert llama.attention_flops_per_token() == 12 * llama.layers * llama.hidden * llama.seq
+    assert llama.attention_widths() == (8192, 1024, 1024, 8192)
+
+
+def test_full_recomputation_repeats_the_expert_all_to_alls():
+    model = planner.Model(8, 2048, 16, 2048, 32000, gpt=False, experts=16, top_k=2,
+                          expert_hidden=1024)
+    hw, settings = planner.Hardware(64), planner.Settings(global_batch_tokens=2 ** 20)
+    base = layout(dp=64, tp=1, pp=1, ep=8, microbatches=8)
+    t = {r: planner.step_time(model, {**base, "recompute": r}, settings, hw)["ep"]
+         for r in ("none", "full")}
+    assert t["full"] == pytest.approx(1.5 * t["none"])   # 6 all-to-alls a layer, not 4
 
 
 def test_expert_parallelism_divides_the_experts_and_pays_its_all_to_alls():

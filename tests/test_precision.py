@@ -68,14 +68,17 @@ def test_a_scale_from_a_bad_amax_fails_and_the_floor_holds(three):
     assert pitfalls["amax_zero"]["nan_fraction_with_floor"] == 0.0
     assert pitfalls["amax_infinite"]["nan_fraction"] == 1.0      # x / inf, then 0 x inf
     stale = pitfalls["amax_stale"]
-    # values past the stale amax are cast to 448: a few per cent of them, a large error
-    assert 0.001 < stale["saturated_fraction"] < 0.5
-    assert stale["relative_error"] > 10 * stale["relative_error_current_amax"]
+    # the values past the stale amax, P(|x| > amax / 4), about a fifth of them for a
+    # Gaussian, saturate at 448 (torch >= 2.12) or turn NaN (earlier): either way it fails
+    assert 0.1 < stale["saturated_fraction"] < 0.4
+    assert stale["nan_fraction"] > 0 or \
+        stale["relative_error"] > 10 * stale["relative_error_current_amax"]
 
 
 def test_a_bf16_reduction_errs_more_over_more_ranks(three):
     """One rank sums nothing; two and three round their partial sums, as predicted within
-    20 % (gloo's ring adds one rank's chunk at a time; normal values are near Benford's)."""
+    20 % (the model under-predicts by 5-8 %: the exact sum of two bf16 values often lands
+    on a half-step tie, so its rounding error is not uniform)."""
     errors = three["bf16_reduce_error"]
     assert list(errors) == ["1", "2", "3"]
     assert errors["1"]["relative_error"] == 0.0 == errors["1"]["predicted_relative_error"]

@@ -37,8 +37,8 @@ outlasts its compute; expert parallelism's all-to-alls, exposed.
 Precision (Settings.precision): bf16, or FP8 for the layers' linear products, which then
 run at precision_model.FP8_PEAK_RATIO times the peak (attention's products, the embedding
 and the head stay bf16) and whose weights the parameter all-gathers carry in one byte;
-with fp8_activations the linear layers' inputs are kept in FP8 for backward
-(Model.layer_activation_values). The MFU reported stays against the bf16 peak.
+with fp8_activations the activations are cached for backward as DeepSeek-V3 caches them,
+most in FP8 (Model.layer_activation_values). The MFU reported stays against the bf16 peak.
 """
 
 import dataclasses
@@ -53,7 +53,9 @@ SCHEDULES = ("1f1b", "interleaved")
 ZERO = memory_model.STRATEGIES
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 CHUNKS = (1, 2, 4)             # interleaved: model chunks per rank considered
-VALUE_BYTES = 2                # bf16 activations and collectives
+# bf16 activations and collectives, the gradients' reductions included: a lower bound
+# where a run reduces in fp32, as Megatron-LM with bf16 and torchtitan do by default
+VALUE_BYTES = 2
 # The fraction of the dense peak the computation runs at when nothing waits: large bf16
 # matmuls reach well above it, attention, norms and elementwise kernels well below. An
 # assumption (--mfu), not a measurement; the MFU the planner reports is lower.
@@ -70,10 +72,13 @@ class Model:
     transformer.py, GPT-2/3 and Megatron-LM's GPT): biases, LayerNorms, learned positions,
     an MLP of ffn_hidden (4h) with GELU. gpt=False is a Llama-style model: no biases,
     RMSNorm, rotary positions, a SwiGLU MLP (three matrices of h x ffn_hidden) and
-    kv_heads key-value heads (grouped-query attention). With experts > 0 the MLPs of all
-    layers after the first dense_layers are `experts` routed experts of expert_hidden,
-    top_k per token, plus shared_experts always used. attention_params overrides the
-    attention's parameter count per layer (DeepSeek's multi-head latent attention)."""
+    kv_heads key-value heads (grouped-query attention, in either style). With experts > 0
+    the MLPs of all layers after the first dense_layers are `experts` routed experts of
+    expert_hidden, top_k per token, plus shared_experts always used. attention_params
+    overrides the attention's parameter count per layer, and qk_head_dim and v_head_dim
+    the widths of a head's queries and keys and of its values (0: hidden / heads), as
+    DeepSeek's multi-head latent attention needs: its heads attend in 192 dimensions (128
+    and 64 rotary) and return 128, whatever the hidden size."""
     layers: int
     hidden: int
     heads: int
@@ -89,6 +94,8 @@ class Model:
     shared_experts: int = 0
     dense_layers: int = 0
     attention_params: int = 0
+    qk_head_dim: int = 0
+    v_head_dim: int = 0
     node_limit: int = 0            # routing reaches at most this many nodes (0: any)
     name: str = ""
 
@@ -98,7 +105,24 @@ class Model:
 
     @property
     def kv_dim(self):
+        """Width of the keys (and of the values) with hidden / heads per head: the K and V
+        projections' output (grouped-query attention narrows it)."""
         return (self.kv_heads or self.heads) * (self.hidden // self.heads)
+
+    @property
+    def qk_dim(self):
+        return self.qk_head_dim or self.hidden // self.heads
+
+    @property
+    def v_dim(self):
+        return self.v_head_dim or self.hidden // self.heads
+
+    def attention_widths(self):
+        """(q, k, v, output) values per token as attention sees them: queries and output
+        over all heads, keys and values over the key-value heads."""
+        kv = self.kv_heads or self.heads
+        return (self.heads * self.qk_dim, kv * self.qk_dim, kv * self.v_dim,
+                self.heads * self.v_dim)
 
     @property
     def moe_layers(self):
@@ -127,8 +151,9 @@ class Model:
         h = self.hidden
         if self.attention_params:
             return self.attention_params, 2 * h
-        if self.gpt:   # QKV 3h^2 + 3h, projection h^2 (+ its bias h, replicated), 2 LNs 4h
-            return 4 * h * h + 3 * h, 5 * h
+        if self.gpt:   # Q, K, V with biases, projection h^2 (+ its bias h, replicated),
+            # 2 LNs 4h: 4h^2 + 3h with as many key-value heads as heads
+            return 2 * h * h + 2 * h * self.kv_dim + h + 2 * self.kv_dim, 5 * h
         return 2 * h * h + 2 * h * self.kv_dim, 2 * h   # Q, O; K, V; two RMSNorms
 
     def mlp(self, ffn):
@@ -192,26 +217,29 @@ class Model:
         return total
 
     def attention_flops_per_token(self):
-        """Attention's two matrix products, forward and backward, per token: 12 L h s
-        (scores Q K^T and weights x V, 2 x 2 h s forward, twice that backward), causal
-        masking not discounted, as Megatron-LM, PaLM and torchtitan count them."""
-        return 12 * self.layers * self.hidden * self.seq
+        """Attention's two matrix products, forward and backward, per token: scores Q K^T
+        (2 s heads d_qk forward) and weights x V (2 s heads d_v), three times that with
+        backward, causal masking not discounted: 12 L h s when a head's widths are
+        hidden / heads, as Megatron-LM, PaLM and torchtitan count them."""
+        return 6 * self.layers * self.seq * self.heads * (self.qk_dim + self.v_dim)
 
     # Activations: values one layer keeps per token (Korthikanti et al., 2022)
 
     def layer_activation_values(self, layer, tp, sequence_parallel=True, flash=True,
-                                fp8_linear_inputs=False):
+                                fp8_activations=False):
         """16-bit values per token one layer keeps for backward on one of tp ranks, no
-        dropout: the norms' inputs 2h, the QKV input h, Q h, K and V 2 h_kv, attention's
-        output h, the MLP's input h, the MLP's inner values (GELU's input and output 2f;
+        dropout: the norms' inputs 2h, the QKV input h, Q, K, V and attention's output
+        at their widths (attention_widths: h, h_kv, h_kv and h with hidden / heads per
+        head), the MLP's input h, the MLP's inner values (GELU's input and output 2f;
         SwiGLU's gate, up and their product 3f; a MoE layer: k routed copies of the input,
         inner values and output, and the shared experts'). The norms' and matmul inputs
         (4h) are replicated over tp unless sequence parallelism splits the tokens.
         Without a fused attention, the softmax's output: heads x s more per token.
-        fp8_linear_inputs: the inputs of the linear layers kept in FP8 for their weight
-        gradients, as DeepSeek-V3 caches them (§3.3.3), each half a 16-bit value: the QKV
-        and MLP inputs, attention's output, the last MLP matrix's input (f of the inner
-        values; each routed slot's input and inner product in a MoE layer)."""
+        fp8_activations: cached as DeepSeek-V3 caches them (§3.3.3): the QKV and MLP
+        inputs (and each routed slot's input) in FP8, half a 16-bit value; attention's
+        output, the next linear's input, in its 12-bit E5M6, three quarters; SwiGLU's
+        inputs (gate and up) in FP8 and its output recomputed in backward, not kept
+        (GELU's input likewise, its output recomputed)."""
         h, split_inputs = self.hidden, (tp if sequence_parallel else 1)
         inner_per_width = 2 if self.gpt else 3
         if self.experts and layer >= self.dense_layers:   # the routing taken as even
@@ -219,15 +247,19 @@ class Model:
                 h, self.expert_hidden, self.top_k, self.shared_experts, inner_per_width)
         else:
             mlp = inner_per_width * self.ffn
-        split = h + 2 * self.kv_dim + h + mlp
+        q, k, v, out = self.attention_widths()
+        split = q + k + v + out + mlp
         values = 4 * h / split_inputs + split / tp
-        if fp8_linear_inputs:
+        if fp8_activations:
+            # of an MLP's inner values: the gate and up halved, the product not kept (2f of
+            # SwiGLU's 3f); GELU's input halved, its output not kept (1.5f of 2f)
+            saved_inner = 2.0 if inner_per_width == 3 else 1.5
             if self.experts and layer >= self.dense_layers:
-                routed = self.top_k * (h + self.expert_hidden) + \
-                    self.shared_experts * self.expert_hidden
+                inner = self.top_k * (0.5 * h + saved_inner * self.expert_hidden) + \
+                    self.shared_experts * saved_inner * self.expert_hidden
             else:
-                routed = self.ffn
-            values -= 0.5 * (2 * h / split_inputs + (h + routed) / tp)
+                inner = saved_inner * self.ffn
+            values -= 0.5 * 2 * h / split_inputs + (0.25 * out + inner) / tp
         if not flash:
             values += self.heads * self.seq / tp
         return values
@@ -263,7 +295,7 @@ class Settings:
     # the matrix products in bf16 or FP8 (precision_model.PLANNER_PRECISIONS): FP8 runs the
     # layers' linear products at precision_model.FP8_PEAK_RATIO times the peak and gathers
     # their weights in FP8; fp8_activations (a run's own choice, as DeepSeek-V3's) also
-    # keeps the linear layers' inputs in FP8 for backward
+    # caches the activations for backward as DeepSeek-V3 does, most of them in FP8
     precision: str = "bf16"
     fp8_activations: bool = False
 
@@ -274,17 +306,21 @@ def divisors(n):
 
 def group_time(op, bytes_, size, span_per_node, hw):
     """Seconds of one collective over `size` ranks of which `span_per_node` share a node:
-    a ring on NVLink inside one node; across nodes the two-level algorithm
-    (time_model.hierarchical_allreduce_time), an all-gather or reduce-scatter half of it."""
+    a ring on NVLink inside one node; across nodes the two-level all-reduce
+    (time_model.hierarchical_allreduce_time, ring or tree), and an all-gather or
+    reduce-scatter as a ring alone (time_model.hierarchical_shard_collective_time): NCCL
+    has no tree for those two."""
     if size == 1:
         return 0.0
     if size <= span_per_node:
         if op == "all_reduce":
             return comm_model.allreduce_time(bytes_, size, *hw.nvlink)
         return time_model.shard_collective_time(bytes_, size, *hw.nvlink)
-    whole = time_model.hierarchical_allreduce_time(bytes_, size, span_per_node, hw.nvlink,
-                                                   hw.network)
-    return whole if op == "all_reduce" else whole / 2
+    if op == "all_reduce":
+        return time_model.hierarchical_allreduce_time(bytes_, size, span_per_node, hw.nvlink,
+                                                      hw.network)
+    return time_model.hierarchical_shard_collective_time(bytes_, size, span_per_node,
+                                                         hw.nvlink, hw.network)
 
 
 def priced(collectives, size, per_node, hw, gather_bytes=VALUE_BYTES):
@@ -484,11 +520,13 @@ def step_time(model, layout, settings, hw):
         stage_layers = max(memory_model.stage_layers(model.layers, pp))
         tp_s = tensor_parallel_time(stage_layers, seq, b, model.hidden, tp, pp == 1, m,
                                     recompute == "full", hw) * (1 - settings.tp_overlap)
-    # pipeline: an activation forward and its gradient back per micro-batch and chunk
+    # pipeline: an activation forward and its gradient back per micro-batch and chunk; each
+    # tensor-parallel rank sends its own 1/tp of the tokens (sequence parallelism splits
+    # them, as Megatron-LM's scatter/gather does without it) of its s/cp
     pp_s = 0.0
     if pp > 1:
         alpha, beta = hw.nvlink if tp * cp * dp * pp <= node else hw.network
-        pp_s = m * v * 2 * (alpha + VALUE_BYTES * b * seq * model.hidden / beta)
+        pp_s = m * v * 2 * (alpha + VALUE_BYTES * b * seq * model.hidden / tp / beta)
     # data parallelism over the dp x cp replicas (experts over dp x cp / ep), hierarchical
     replicas = dp * cp
     dp_s = 0.0
@@ -515,7 +553,8 @@ def step_time(model, layout, settings, hw):
     cp_s = 0.0
     if cp > 1:
         link = hw.nvlink if tp * cp <= node else hw.network
-        block = VALUE_BYTES * 2 * b * seq * model.kv_dim / tp   # this rank's heads' K, V
+        _, k_width, v_width, _ = model.attention_widths()
+        block = VALUE_BYTES * b * seq * (k_width + v_width) / tp   # this rank's heads' K, V
         send = link[0] + block / link[1]
         block_flops = 4 * b * seq * seq * model.hidden / tp * 0.5 * 3   # fwd + bwd, causal
         per_layer = (cp - 1) * max(0.0, 2 * send - block_flops / rate) if cp > 1 else 0.0
@@ -540,7 +579,10 @@ def step_time(model, layout, settings, hw):
         else:
             one = hw.nvlink[0] + nv_bytes / hw.nvlink[1]
         moe_here = sum(1 for i in layers_here if i >= model.dense_layers)
-        ep_s = 4 * one * moe_here * m
+        # dispatch and combine forward and backward, and the forward's again where full
+        # recomputation reruns it, as it reruns the tensor-parallel collectives
+        passes = 6 if recompute == "full" else 4
+        ep_s = passes * one * moe_here * m
     result = {"compute": compute, "recompute": extra, "bubble": bubble, "tp": tp_s,
               "pp": pp_s, "dp": dp_exposed, "cp": cp_s, "ep": ep_s}
     result["step"] = sum(result.values())
@@ -739,7 +781,8 @@ def _deepseek_v3():
                  vocab=c["vocab"], ffn_hidden=c["dense_ffn"], gpt=False,
                  experts=c["routed_experts"], top_k=c["top_k"], expert_hidden=c["expert_ffn"],
                  shared_experts=c["shared_experts"], dense_layers=c["dense_layers"],
-                 attention_params=attention, node_limit=4, name="DeepSeek-V3")
+                 attention_params=attention, qk_head_dim=c["head_dim"] + c["rope_dim"],
+                 v_head_dim=c["v_head_dim"], node_limit=4, name="DeepSeek-V3")
 
 
 # Published shapes. GPT-3: Brown et al. (2020), Table 2.1, its vocabulary padded to 51,200

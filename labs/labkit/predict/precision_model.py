@@ -105,8 +105,10 @@ def sum_relative_error(name, n):
     passes the rounded result on. The k-th partial sum (k = 2 ... n) has variance k s^2
     and is rounded with the relative error above, so the errors add up to
     rms^2 s^2 (n(n + 1)/2 - 1) against the sum's n s^2: rms x sqrt((n + 1)/2 - 1/n), zero
-    for one rank, about rms x sqrt(n / 2) for many. A tree (NCCL's, across nodes) rounds
-    each value about log2(n) times instead, and errs less."""
+    for one rank, about rms x sqrt(n / 2) for many. It under-predicts by 5-8 %: the exact
+    sum of two values of a format carries only a bit or two beyond it, so half-step ties
+    are common and the rounding error is not uniform. A tree all-reduce (NCCL's, for
+    all-reduce only) adds in another order, and so errs otherwise."""
     if n < 1:
         raise ValueError(f"a sum needs at least one value, got n = {n}")
     return rounding_rms(name) * math.sqrt((n + 1) / 2 - 1 / n)

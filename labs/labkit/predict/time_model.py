@@ -103,6 +103,24 @@ def hierarchical_allreduce_time(bytes_, world_size, gpus_per_node, intra, inter,
     return max(inside, across) if pipelined else inside + across
 
 
+def hierarchical_shard_collective_time(bytes_, world_size, gpus_per_node, intra, inter):
+    """Alpha-beta model of an all-gather or reduce-scatter over nodes of `gpus_per_node`
+    GPUs, as a ring only: NCCL runs these two as rings (or NVLS and CollNet, with switch
+    support; PAT since 2.23 at one GPU per node), never as trees (its tuning model,
+    src/graph/tuning.cc, skips the tree for them). The data is cut as in
+    hierarchical_allreduce_time's first half: a ring inside each node, then a ring of each
+    GPU's 1/G share across the nodes, one network card each, the phases one after the other.
+    Its latency grows with the nodes, (nodes - 1) network steps, where a tree's would grow
+    with their logarithm."""
+    g = gpus_per_node
+    if world_size <= g:
+        return shard_collective_time(bytes_, world_size, *intra) if world_size > 1 else 0.0
+    if world_size % g:
+        raise ValueError(f"{world_size} GPUs do not fill nodes of {g}")
+    return (shard_collective_time(bytes_, g, *intra)
+            + shard_collective_time(bytes_ / g, world_size // g, *inter))
+
+
 def delay_s(bytes_, world_size, ns_per_byte, op="all_reduce"):
     """The labs' optional slow link: ns_per_byte for each byte a rank sends in a ring `op`.
     It adds 1 / (ns_per_byte GB/s) to 1 / beta."""
