@@ -257,7 +257,8 @@ def predict(args):
             shape.layers, shape.hidden, shape.heads, shape.seq, shape.vocab, args.gpus,
             args.pp, args.tp, strategy, args.batch, args.microbatches, args.schedule,
             args.sequence_parallel, checkpointing, args.optimizer, args.precision,
-            args.dropout, args.tie_embeddings) for checkpointing in (False, True))
+            args.dropout, args.tie_embeddings, args.stage_layers)
+            for checkpointing in (False, True))
         table[strategy] = {"params": full["params"], "grads": full["grads"],
                            "optimizer": full["optimizer"], "total": full["states"],
                            "activations": full["activations"],
@@ -306,6 +307,9 @@ def parse_args(argv=None):
     pred.add_argument("--pp", type=distenv.positive_int, default=1,
                       help="pipeline stages (needs a model shape); --gpus stays the "
                            "data-parallel degree, the world is gpus x pp x tp")
+    pred.add_argument("--stage-layers", type=distenv.int_list(1), default=None,
+                      metavar="L0,L1,...", help="layers of each of the --pp stages "
+                      "(default: as even as they go); they must add up to --layers")
     pred.add_argument("--microbatches", type=distenv.positive_int, default=1,
                       help="micro-batches per step, m, of --batch sequences each")
     pred.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b",
@@ -361,6 +365,10 @@ def check_args(args):
             distenv.fail(f"a model shape needs {' '.join(missing)} as well")
         if args.layers < args.pp:
             distenv.fail(f"--layers {args.layers} cannot give each of --pp {args.pp} stages a layer")
+        if args.stage_layers and (len(args.stage_layers) != args.pp
+                                  or sum(args.stage_layers) != args.layers):
+            distenv.fail(f"--stage-layers {','.join(map(str, args.stage_layers))} must give "
+                         f"each of --pp {args.pp} stages its layers, {args.layers} in all")
         if args.heads % args.tp:
             distenv.fail(f"--heads {args.heads} do not split over --tp {args.tp}")
     problem = shape_of(args).check()

@@ -28,6 +28,7 @@ Launch lines (from the repository root):
 --json prints {model, hardware, settings, global_batch_tokens, configurations}: the
 configurations fastest first, each {dp, tp, pp, cp, ep, chunks, zero, micro_batch,
 microbatches, recompute, checkpointing (recompute == full), sequence_parallel,
+stage_layers (the layers of each pipeline stage: the planner takes up to two off each end),
 memory_bytes {params, grads, optimizer, states, activations, logits, total, stage},
 time_s {compute, recompute, bubble, tp, pp, dp, cp, ep, step}, tokens_per_s_per_gpu,
 mfu, mfu_with_attention}. With --layout it adds `layout`: that layout's best
@@ -282,6 +283,7 @@ def main(argv=None):
                   f"{mine['step_time_s'] / mine['best_step_time_s'] - 1:+.1%} against the best")
             print(header)
             print(describe(mine))
+            print(f"its stages hold {', '.join(map(str, mine['stage_layers']))} layers")
     if not found:
         sys.exit(1)
 

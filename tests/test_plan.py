@@ -96,7 +96,8 @@ def test_memory_equals_the_memory_calculator_for_the_courses_model(capsys):
         for c in sample:
             memory.main(["predict", *shape, "--gpus", str(c["dp"]), "--pp", str(c["pp"]),
                          "--tp", str(c["tp"]), "--batch", str(c["micro_batch"]),
-                         "--microbatches", str(c["microbatches"]), "--no-dropout", "--json"]
+                         "--microbatches", str(c["microbatches"]), "--no-dropout", "--json",
+                         "--stage-layers", ",".join(map(str, c["stage_layers"]))]
                         + (["--sequence-parallel"] if c["tp"] > 1 else []))
             row = json.loads(capsys.readouterr().out)[c["zero"]]
             key = "per_gpu_checkpointed" if recompute == "full" else "per_gpu"
@@ -116,7 +117,7 @@ def test_one_model_of_tensor_parallel_traffic():
         m = settings.global_batch_tokens // model.seq // dp // b
         config = {"dp": dp, "tp": tp, "pp": pp, "cp": 1, "ep": 1, "chunks": 1,
                   "micro_batch": b, "microbatches": m, "zero": "zero1", "recompute": recompute}
-        layers = max(memory_model.stage_layers(model.layers, pp))
+        layers = max(planner.stage_split(model, pp))   # the stage with the most layers
         plan_ = comm_model.tensor_parallel_collectives(
             layers, model.seq, b, model.hidden, tp, sequence_parallel=True, embedding=False,
             head=True, microbatches=m, recompute=recompute == "full")
@@ -149,7 +150,7 @@ def test_recomputation_trades_memory_for_compute():
     assert time_["none"]["recompute"] == 0 < time_["selective"]["recompute"] \
         < time_["full"]["recompute"] == pytest.approx(time_["full"]["compute"] / 3)
     # what selective drops, on the first stage: its layers' attention matrices, in flight
-    layers = memory_model.stage_layers(model.layers, 4)[mem["none"]["stage"]]
+    layers = planner.stage_split(model, 4)[mem["none"]["stage"]]
     in_flight = memory_model.pipeline_peak_microbatches("1f1b", 4, 16)[mem["none"]["stage"]]
     matrix = 2 * model.heads * model.seq / 8 * model.seq * layers * in_flight
     assert mem["none"]["total"] - mem["selective"]["total"] == pytest.approx(matrix)
@@ -219,7 +220,7 @@ def test_the_bubble_interleaving_and_fewer_microbatches_than_stages():
         t = planner.step_time(model, layout(pp=8, tp=8, dp=1, microbatches=m, chunks=v,
                                             micro_batch=128 // m), settings, hw)
         work = t["compute"] + t["recompute"]
-        imbalance = planner.stage_imbalance(model, 8)
+        imbalance = planner.stage_imbalance(model, planner.stage_split(model, 8, v))
         fraction = time_model.pipeline_bubble_fraction(8, m, v)
         assert t["bubble"] == pytest.approx(work * imbalance / (1 - fraction) - work)
         if m >= 8:
@@ -322,6 +323,31 @@ def test_latent_attention_attends_in_its_own_head_widths():
     llama = planner.PRESETS["llama3-70b"]
     assert llama.attention_flops_per_token() == 12 * llama.layers * llama.hidden * llama.seq
     assert llama.attention_widths() == (8192, 1024, 1024, 8192)
+
+
+def test_the_end_stages_give_up_layers_and_schedules_must_be_able_to_run(capsys):
+    """Llama 3 405B on 16 stages: the cut the planner chooses is the one Llama 3 ran, a
+    layer off each end stage (Dubey et al., 2024, section 3.3.2), since the last one also
+    runs the head; interleaving needs a whole number of layers per chunk and, as in
+    Megatron-LM, micro-batches in multiples of pp; --layout says the cut."""
+    llama405 = planner.PRESETS["llama3-405b"]
+    assert planner.stage_split(llama405, 16) == (7,) + (8,) * 14 + (7,)
+    even = tuple(memory_model.stage_layers(126, 16))
+    flops = {cut: max(planner.stage_flops(llama405, cut)) for cut in (even, (7,) + (8,) * 14 + (7,))}
+    assert flops[(7,) + (8,) * 14 + (7,)] < flops[even]
+    assert all(count % 2 == 0 for count in planner.stage_split(llama405, 16, 2))
+    assert planner.stage_split(planner.Model(10, 256, 4, 128, 1000), 2, 4) is None
+    hw, settings = planner.Hardware(16384), planner.Settings(global_batch_tokens=16 * 2 ** 20)
+    assert "a multiple of pp 16" in planner.why_not(
+        llama405, layout(dp=128, pp=16, chunks=2, microbatches=24), settings, hw)
+    assert "whole number of layers" in planner.why_not(
+        planner.Model(10, 256, 4, 128, 1000), layout(dp=1, tp=1, pp=2, chunks=4),
+        settings, planner.Hardware(2))
+    plan.main(["--model", "llama3-405b", "--gpus", "16384", "--global-batch-tokens", "16M",
+               "--layout", "tp=8,pp=16,dp=128", "--json"])
+    mine = json.loads(capsys.readouterr().out)["layout"]
+    assert mine["stage_layers"][0] + mine["stage_layers"][-1] < 2 * max(mine["stage_layers"])
+    assert sum(mine["stage_layers"]) == 126
 
 
 def test_full_recomputation_repeats_the_expert_all_to_alls():
@@ -460,13 +486,13 @@ def test_dualpipe_holds_two_stages_per_rank():
     one = planner.memory(model, layout, settings, hw)
     two = planner.memory(model, {**layout, "dualpipe": 1}, settings, hw)
     # stage r sits on ranks r and 15 - r of every pipeline: 2 x 128 replicas of it
-    footprints = planner.stage_footprints(model, 16, 1, 64, 256, "zero1", "full", True)
+    footprints = planner.stage_footprints(model, planner.stage_split(model, 16), 1, 64, 256, "zero1", "full", True)
     r = two["stage"]
     assert two["stages"] == (r, 15 - r)
     # each of its two stages with its own weights and gradients, and ZeRO-1 state sharded
     # over both copies' replicas (as memory_model.moe_bytes_per_gpu(param_copies=2))
     assert two["states"] == footprints[r][0]["total"] + footprints[15 - r][0]["total"]
-    one_copy = planner.stage_footprints(model, 16, 1, 64, 128, "zero1", "full", True)
+    one_copy = planner.stage_footprints(model, planner.stage_split(model, 16), 1, 64, 128, "zero1", "full", True)
     for stage in (r, 15 - r):
         for part in ("params", "grads"):     # unsharded by ZeRO-1: as many as one copy's
             assert footprints[stage][0][part] == one_copy[stage][0][part]

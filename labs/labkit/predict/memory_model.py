@@ -376,15 +376,17 @@ def stage_layers(layers, stages):
     return [bounds[s + 1] - bounds[s] for s in range(stages)]
 
 
-def stage_params_per_rank(layers, hidden, vocab, seq, pp, tp, stage, tied_head=False):
+def stage_params_per_rank(layers, hidden, vocab, seq, pp, tp, stage, tied_head=False,
+                          split=None):
     """Parameters one rank of pipeline stage `stage` holds, the model split tp ways as in
     Megatron-LM (tensor_parallel_params_per_rank) and its layers over pp stages: each
     layer (12 h^2 + 7 h)/t + 6 h; the first stage adds the token embedding (V h / t) and
     the positions (s h), the last the final LayerNorm (2 h) and the head (V h / t). A tied
     head costs nothing more only when the embedding sits on the same stage (pp = 1); across
-    stages the last keeps its own copy, as Megatron-LM does."""
+    stages the last keeps its own copy, as Megatron-LM does. `split`: the stages' layer
+    counts, when not stage_layers' even cut."""
     per_layer = (12 * hidden ** 2 + 7 * hidden) / tp + 6 * hidden
-    count = stage_layers(layers, pp)[stage] * per_layer
+    count = (split or stage_layers(layers, pp))[stage] * per_layer
     if stage == 0:
         count += vocab * hidden / tp + seq * hidden
     if stage == pp - 1:
@@ -419,19 +421,24 @@ def stage_activation_bytes(layers, seq, micro_batch, hidden, heads, vocab, tp=1,
 def config_bytes_per_gpu(layers, hidden, heads, seq, vocab, dp=1, pp=1, tp=1, strategy="ddp",
                          micro_batch=1, microbatches=1, schedule="1f1b",
                          sequence_parallel=False, checkpointing=False, optimizer="adam",
-                         precision="mixed", dropout=True, tied_head=False):
+                         precision="mixed", dropout=True, tied_head=False, split=None):
     """{params, grads, optimizer, states, activations, total, stage} on the fullest GPU of
     a dp x pp x tp configuration: for each pipeline stage, its rank's parameters
     (stage_params_per_rank) with their states sharded over dp by `strategy`
     (state_bytes_per_gpu), plus the activations of the micro-batches it holds at once
     (stage_activation_bytes); the stage with the largest total is returned. At
-    dp = pp = tp = 1 this is state_bytes_per_gpu and activation_bytes's peak."""
+    dp = pp = tp = 1 this is state_bytes_per_gpu and activation_bytes's peak. `split`: the
+    stages' layer counts, when not stage_layers' even cut (the planner trims end stages)."""
     value_bytes = 2 if precision == "mixed" else 4
     in_flight = pipeline_peak_microbatches(schedule, pp, microbatches)
-    per_stage_layers = stage_layers(layers, pp)
+    per_stage_layers = list(split) if split else stage_layers(layers, pp)
+    if len(per_stage_layers) != pp or sum(per_stage_layers) != layers:
+        raise ValueError(f"stage layers {per_stage_layers} do not cut {layers} layers into "
+                         f"{pp} stages")
     worst = None
     for stage in range(pp):
-        params = stage_params_per_rank(layers, hidden, vocab, seq, pp, tp, stage, tied_head)
+        params = stage_params_per_rank(layers, hidden, vocab, seq, pp, tp, stage, tied_head,
+                                       per_stage_layers)
         states = state_bytes_per_gpu(params, dp, strategy, optimizer, precision)
         activations = stage_activation_bytes(
             per_stage_layers[stage], seq, micro_batch, hidden, heads, vocab, tp,

@@ -372,16 +372,17 @@ def stage_params(model, first_layer, layers, tp, ep, first, last, matrices_only=
 
 
 @functools.lru_cache(maxsize=65536)
-def stage_footprints(model, pp, tp, ep, replicas, zero, recompute, flash,
+def stage_footprints(model, split, tp, ep, replicas, zero, recompute, flash,
                      fp8_activations=False):
     """Per pipeline stage, what one rank holds whatever the micro-batches: (its model
     states {params, grads, optimizer, total} in mixed-precision Adam, the dense weights
     over `replicas` ranks and each expert's over replicas / ep; the activation values per
     token it keeps for a micro-batch in flight; those of the one layer that full
-    recomputation rebuilds at a time). Many layouts share these, so they are kept."""
+    recomputation rebuilds at a time), the stages holding `split`'s layers (stage_split).
+    Many layouts share these, so they are kept."""
     footprints, first_layer = [], 0
-    for stage, count in enumerate(memory_model.stage_layers(model.layers, pp)):
-        first, last = stage == 0, stage == pp - 1
+    for stage, count in enumerate(split):
+        first, last = stage == 0, stage == len(split) - 1
         dense, experts = stage_params(model, first_layer, count, tp, ep, first, last)
         states = memory_model.state_bytes_per_gpu(dense, replicas, zero)
         if experts:
@@ -408,12 +409,9 @@ def stage_activation_values(model, first_layer, layers, tp, flash, fp8_activatio
     return sum(values), max(values, default=0)
 
 
-@functools.lru_cache(maxsize=4096)
-def stage_imbalance(model, pp, flash=True):
-    """The slowest pipeline stage's FLOPs over the mean stage's: each layer 6 x its active
-    parameters and attention's products per token, the head's 6 V h on the last stage."""
-    if pp == 1:
-        return 1.0
+def stage_flops(model, split, flash=True):
+    """[FLOPs per token of each pipeline stage holding `split`'s layers]: each layer 6 x
+    its active parameters and attention's products, the head's 6 V h on the last stage."""
     attention = model.attention_flops_per_token() / model.layers * (0.5 if flash else 1)
     routed_unused = (model.experts - model.top_k) * sum(model.mlp(model.expert_hidden)) \
         if model.experts else 0
@@ -423,11 +421,90 @@ def stage_imbalance(model, pp, flash=True):
         return 6 * (sum(model.layer_params(i)) - unused) + attention
 
     stages, start = [], 0
-    for count in memory_model.stage_layers(model.layers, pp):
+    for count in split:
         stages.append(sum(layer_flops(i) for i in range(start, start + count)))
         start += count
     stages[-1] += 6 * model.vocab * model.hidden * (0 if model.tied else 1)
-    return max(stages) * pp / sum(stages)
+    return stages
+
+
+# Layers an end stage may give up to the others (Llama 3 took one off each end; Megatron-LM
+# sets the end stages' counts with --decoder-first/last-pipeline-num-layers)
+MAX_END_TRIM = 2
+
+
+@functools.lru_cache(maxsize=4096)
+def stage_split(model, pp, chunks=1, flash=True):
+    """The layers of each of pp stages, as the planner cuts them, or None where no cut can
+    run. From the even cut (memory_model.stage_layers), up to MAX_END_TRIM layers come off
+    the first and the last stage and spread over the others, as Llama 3 balanced its
+    pipeline by taking one layer off each end (Dubey et al., 2024, section 3.3.2): the last
+    stage also runs the head, and the first holds the most micro-batches in flight. The cut
+    whose slowest stage has the fewest FLOPs wins; of cuts as fast, the one that takes most
+    off the first stage, then least off the last. An interleaved schedule of `chunks`
+    chunks per rank needs a whole number of layers in each chunk: every count a multiple
+    of chunks."""
+    layers = model.layers
+    if layers < pp:
+        return None
+    even = memory_model.stage_layers(layers, pp)
+    best = None
+    for first_trim in range(MAX_END_TRIM + 1):
+        for last_trim in range(MAX_END_TRIM + 1):
+            first, last = even[0] - first_trim, even[-1] - last_trim
+            if pp == 1:
+                if first_trim or last_trim:
+                    continue
+                split = (layers,)
+            elif pp == 2:
+                if first_trim:      # two stages: what the last gives up, the first takes
+                    continue
+                split = (layers - last, last)
+            else:
+                rest = layers - first - last
+                if first < 1 or last < 1 or rest < pp - 2:
+                    continue
+                split = (first, *memory_model.stage_layers(rest, pp - 2), last)
+            if min(split) < 1 or any(count % chunks for count in split):
+                continue
+            key = (max(stage_flops(model, split, flash)), -first_trim, last_trim)
+            if best is None or key < best[0]:
+                best = (key, split)
+    return None if best is None else best[1]
+
+
+@functools.lru_cache(maxsize=4096)
+def stage_imbalance(model, split, flash=True):
+    """The slowest pipeline stage's FLOPs over the mean stage's (stage_flops)."""
+    if len(split) == 1:
+        return 1.0
+    stages = stage_flops(model, split, flash)
+    return max(stages) * len(split) / sum(stages)
+
+
+def stage_spans(split):
+    """[(stage, first layer, layers)] of a cut."""
+    starts = [sum(split[:stage]) for stage in range(len(split))]
+    return [(stage, starts[stage], count) for stage, count in enumerate(split)]
+
+
+@functools.lru_cache(maxsize=65536)
+def stage_data_parallel_time(model, start, count, first, last, tp, ep, zero, microbatches,
+                             replicas, precision, hw):
+    """Seconds of one stage's data-parallel collectives in a step: its dense parameters
+    over the dp x cp replicas (tp apart), its experts' over replicas / ep (tp x ep apart),
+    the parameters gathered in the recipe's bytes (FP8 for the linear weights under fp8)."""
+    dense, experts = stage_params(model, start, count, tp, ep, first, last)
+    matrices = stage_params(model, start, count, tp, ep, first, last, True)
+    total = 0.0
+    for params, fp8_params, size, inner in ((dense, matrices[0], replicas, tp),
+                                            (experts, matrices[1], replicas // ep, tp * ep)):
+        if params and size > 1:
+            per_node = members_per_node(inner, size, hw)
+            gather = precision_model.gather_bytes_per_value(precision, fp8_params / params)
+            total += data_parallel_time(zero, params, microbatches, count, size, per_node, hw,
+                                        gather)
+    return total
 
 
 def members_per_node(inner, size, hw):
@@ -455,7 +532,8 @@ def memory(model, layout, settings, hw):
     schedule = "interleaved" if v > 1 else "1f1b"
     in_flight = memory_model.pipeline_peak_microbatches(schedule, pp, m, v)
     tokens = model.seq // cp * b                  # of one micro-batch, on this rank
-    footprints = stage_footprints(model, pp, tp, ep, replicas, zero, recompute,
+    split = stage_split(model, pp, v, settings.flash_attention)
+    footprints = stage_footprints(model, split, tp, ep, replicas, zero, recompute,
                                   settings.flash_attention, settings.fp8_activations)
     if layout.get("dualpipe"):   # [(stage, micro-batches held)] of each rank
         holdings = memory_model.dualpipe_peak_microbatches(pp, m)
@@ -508,7 +586,8 @@ def step_time(model, layout, settings, hw):
     work = compute + extra
     # The pipeline waits for its slowest stage (the embedding's and the head's work sit on
     # the first and last), and idles in the schedule's fill and drain
-    slowest = work * stage_imbalance(model, pp, settings.flash_attention)
+    split = stage_split(model, pp, v, settings.flash_attention)
+    slowest = work * stage_imbalance(model, split, settings.flash_attention)
     fraction = time_model.pipeline_bubble_fraction(pp, m, v)
     bubble = slowest / (1 - fraction) - work
 
@@ -517,8 +596,7 @@ def step_time(model, layout, settings, hw):
     # tensor parallelism: the one traffic model (comm_model), the stage with most layers
     tp_s = 0.0
     if tp > 1:
-        stage_layers = max(memory_model.stage_layers(model.layers, pp))
-        tp_s = tensor_parallel_time(stage_layers, seq, b, model.hidden, tp, pp == 1, m,
+        tp_s = tensor_parallel_time(max(split), seq, b, model.hidden, tp, pp == 1, m,
                                     recompute == "full", hw) * (1 - settings.tp_overlap)
     # pipeline: an activation forward and its gradient back per micro-batch and chunk; each
     # tensor-parallel rank sends its own 1/tp of the tokens (sequence parallelism splits
@@ -527,24 +605,12 @@ def step_time(model, layout, settings, hw):
     if pp > 1:
         alpha, beta = hw.nvlink if tp * cp * dp * pp <= node else hw.network
         pp_s = m * v * 2 * (alpha + VALUE_BYTES * b * seq * model.hidden / tp / beta)
-    # data parallelism over the dp x cp replicas (experts over dp x cp / ep), hierarchical
+    # data parallelism over the dp x cp replicas (experts over dp x cp / ep), hierarchical:
+    # the stage whose collectives take longest (the pipeline moves at its slowest stage)
     replicas = dp * cp
-    dp_s = 0.0
-    stage = memory_model.stage_layers(model.layers, pp)
-    layers_here = range(sum(stage[:-1]), model.layers)     # the last stage, with the head
-    dense, experts = stage_params(model, layers_here.start, len(layers_here), tp, ep,
-                                  pp == 1, True)
-    # the dense replicas' ranks are tp apart; an expert's replicas, tp x ep apart
-    matrices = stage_params(model, layers_here.start, len(layers_here), tp, ep, pp == 1,
-                            True, True)
-    for params, fp8_params, size, inner in ((dense, matrices[0], replicas, tp),
-                                            (experts, matrices[1], replicas // ep, tp * ep)):
-        if params and size > 1:
-            per_node = members_per_node(inner, size, hw)
-            gather = precision_model.gather_bytes_per_value(settings.precision,
-                                                            fp8_params / params)
-            dp_s += data_parallel_time(zero, params, m, len(layers_here), size, per_node, hw,
-                                       gather)
+    dp_s = max(stage_data_parallel_time(model, start, count, stage == 0, stage == pp - 1,
+                                        tp, ep, zero, m, replicas, settings.precision, hw)
+               for stage, start, count in stage_spans(split))
     backward = 2 * forward
     window = {"ddp": backward / m, "zero1": backward / m, "zero2": backward,
               "zero3": work}[zero]
@@ -558,7 +624,7 @@ def step_time(model, layout, settings, hw):
         send = link[0] + block / link[1]
         block_flops = 4 * b * seq * seq * model.hidden / tp * 0.5 * 3   # fwd + bwd, causal
         per_layer = (cp - 1) * max(0.0, 2 * send - block_flops / rate) if cp > 1 else 0.0
-        cp_s = per_layer * max(stage) * m
+        cp_s = per_layer * max(split) * m
     # expert parallelism: dispatch and combine, forward and backward, exposed
     ep_s = 0.0
     if model.experts and ep > 1:
@@ -578,7 +644,8 @@ def step_time(model, layout, settings, hw):
                       hw.nvlink[0] + nv_bytes / hw.nvlink[1])
         else:
             one = hw.nvlink[0] + nv_bytes / hw.nvlink[1]
-        moe_here = sum(1 for i in layers_here if i >= model.dense_layers)
+        moe_here = max(sum(1 for i in range(start, start + count) if i >= model.dense_layers)
+                       for _, start, count in stage_spans(split))   # the stage with most
         # dispatch and combine forward and backward, and the forward's again where full
         # recomputation reruns it, as it reruns the tensor-parallel collectives
         passes = 6 if recompute == "full" else 4
@@ -623,6 +690,13 @@ def why_not(model, layout, settings, hw):
             layout["microbatches"] % 2 or layout["microbatches"] < 2 * pp):
         return (f"DualPipe needs an even number of micro-batches, at least 2 pp = {2 * pp}, "
                 f"got {layout['microbatches']}")
+    if stage_split(model, pp, v, settings.flash_attention) is None:
+        return (f"no cut of the {model.layers} layers over pp {pp} stages gives each of the "
+                f"{v} chunks a whole number of layers")
+    if v > 1 and "microbatches" in layout and layout["microbatches"] % pp:
+        # Megatron-LM's interleaved schedule asserts it
+        return (f"the interleaved schedule needs the micro-batches ({layout['microbatches']}) "
+                f"a multiple of pp {pp}")
     sequences = settings.global_batch_tokens // model.seq
     if sequences % dp:
         return f"dp {dp} does not divide the batch of {sequences} sequences"
@@ -633,7 +707,9 @@ def evaluate(model, layout, settings, hw):
     """`layout` with its memory, time and MFU (a new dict)."""
     mem = memory(model, layout, settings, hw)
     time_s = step_time(model, layout, settings, hw)
-    return {**layout, "memory_bytes": mem, "fits": mem["total"] <= hw.gpu_memory_gb * 1e9,
+    split = stage_split(model, layout["pp"], layout["chunks"], settings.flash_attention)
+    return {**layout, "stage_layers": list(split), "memory_bytes": mem,
+            "fits": mem["total"] <= hw.gpu_memory_gb * 1e9,
             "time_s": time_s,
             "tokens_per_s_per_gpu": settings.global_batch_tokens / time_s["step"] / hw.gpus,
             "mfu": mfu(model, settings, hw, time_s["step"]),
