@@ -350,6 +350,25 @@ def test_the_end_stages_give_up_layers_and_schedules_must_be_able_to_run(capsys)
     assert sum(mine["stage_layers"]) == 126
 
 
+def test_dualpipe_halves_the_bubble_and_hides_the_all_to_alls():
+    """DeepSeek-V3's Table 2: DualPipe idles (pp/2 - 1)(F&B + B - 3W) per micro-batch
+    against 1F1B's (pp - 1)(F + B), 2/3 (pp/2 - 1) against pp - 1 of a micro-batch's work
+    with W = B/2; and it runs one micro-batch's all-to-alls beside another's compute."""
+    model = planner.PRESETS["deepseek-v3"]
+    hw = planner.Hardware(gpus=2048, nvlink_gb_s=160)
+    settings = planner.Settings(global_batch_tokens=15360 * 4096)
+    base = dict(dp=128, tp=1, pp=16, cp=1, ep=64, chunks=1, micro_batch=1,
+                microbatches=120, zero="zero1", recompute="full")
+    one = planner.step_time(model, base, settings, hw)
+    two = planner.step_time(model, {**base, "dualpipe": 1}, settings, hw)
+    work = one["compute"] + one["recompute"]
+    slowest = work * planner.stage_imbalance(model, planner.stage_split(model, 16))
+    assert two["bubble"] == pytest.approx(slowest - work + 7 * 2 / 3 * slowest / 120)
+    assert one["bubble"] == pytest.approx(slowest * (1 + 15 / 120) - work)
+    assert one["ep"] > 0 and two["ep"] == 0 and two["pp"] == 0   # all hidden: ep + pp < work
+    assert one["ep"] + one["pp"] < work
+
+
 def test_full_recomputation_repeats_the_expert_all_to_alls():
     model = planner.Model(8, 2048, 16, 2048, 32000, gpt=False, experts=16, top_k=2,
                           expert_hidden=1024)

@@ -11,7 +11,9 @@ meshes, tp innermost, pp outermost: [pp, dp, cp, tp]):
   pp  pipeline stages, 1F1B or interleaved with v chunks per rank, any m >= 1; or
       DualPipe where a layout names it (dualpipe=1, as DeepSeek-V3 ran): never searched,
       its memory modelled (two stages per rank, ZeRO sharding over both copies'
-      replicas), its time priced as 1F1B's
+      replicas), its bubble DeepSeek-V3's Table 2 gives, and the expert all-to-alls and
+      pipeline sends hidden behind computation as far as it lasts, as DualPipe overlaps
+      them (DeepSeek-V3 §3.2.1)
   ep  expert parallelism, for mixture-of-experts shapes: each MoE layer's experts over ep
       of the dp x cp ranks, the experts keeping tp (Megatron-Core's default expert tensor
       parallelism; Megatron-Core carves ep x etp out of tp x cp x dp, torchtitan ep out
@@ -588,8 +590,14 @@ def step_time(model, layout, settings, hw):
     # the first and last), and idles in the schedule's fill and drain
     split = stage_split(model, pp, v, settings.flash_attention)
     slowest = work * stage_imbalance(model, split, settings.flash_attention)
-    fraction = time_model.pipeline_bubble_fraction(pp, m, v)
-    bubble = slowest / (1 - fraction) - work
+    if layout.get("dualpipe"):
+        # DeepSeek-V3's Table 2: (pp/2 - 1)(F&B + B - 3W) per micro-batch, with F&B the
+        # overlapped forward and backward (F + B when compute-bound), F = 1/3 and B = 2/3
+        # of a micro-batch's work, W (weights' gradients) half of B: (pp/2 - 1) x 2/3
+        bubble = slowest - work + (pp / 2 - 1) * 2 / 3 * slowest / m
+    else:
+        fraction = time_model.pipeline_bubble_fraction(pp, m, v)
+        bubble = slowest / (1 - fraction) - work
 
     seq = model.seq // cp
     node = hw.gpus_per_node
@@ -650,6 +658,9 @@ def step_time(model, layout, settings, hw):
         # recomputation reruns it, as it reruns the tensor-parallel collectives
         passes = 6 if recompute == "full" else 4
         ep_s = passes * one * moe_here * m
+    if layout.get("dualpipe"):   # one micro-batch's all-to-alls run beside another's compute
+        exposed = max(0.0, ep_s + pp_s - work)   # what outlasts the computation, as ep
+        ep_s, pp_s = exposed, 0.0
     result = {"compute": compute, "recompute": extra, "bubble": bubble, "tp": tp_s,
               "pp": pp_s, "dp": dp_exposed, "cp": cp_s, "ep": ep_s}
     result["step"] = sum(result.values())
