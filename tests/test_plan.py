@@ -369,6 +369,23 @@ def test_dualpipe_halves_the_bubble_and_hides_the_all_to_alls():
     assert one["ep"] + one["pp"] < work
 
 
+def test_an_fp32_gradient_buffer_takes_two_bytes_more_and_reduces_in_fp32():
+    """Megatron-LM's bf16 keeps its gradients in fp32 (18 bytes per parameter with Adam,
+    its distributed-optimizer guide): under ZeRO-1 the gradients are whole on every rank,
+    so the states grow by 2 bytes per parameter of the stage, and the reduce-scatter
+    carries 4 bytes per gradient."""
+    model, hw = planner.PRESETS["llama3-8b"], planner.Hardware(64)
+    mixed = planner.Settings(global_batch_tokens=2 ** 21)
+    fp32 = planner.Settings(global_batch_tokens=2 ** 21, states="fp32_grads")
+    config = layout(dp=16, tp=4, pp=1, zero="zero1", microbatches=4)
+    grow = planner.memory(model, config, fp32, hw)["grads"] / planner.memory(
+        model, config, mixed, hw)["grads"]
+    assert grow == 2
+    assert sum(memory_model.bytes_per_parameter("adam", "fp32_grads")) == 18
+    rs = {b: planner.priced([("reduce_scatter", 1e9)], 64, 8, hw, reduce_bytes=b) for b in (2, 4)}
+    assert rs[4] > 1.9 * rs[2]
+
+
 def test_full_recomputation_repeats_the_expert_all_to_alls():
     model = planner.Model(8, 2048, 16, 2048, 32000, gpt=False, experts=16, top_k=2,
                           expert_hidden=1024)

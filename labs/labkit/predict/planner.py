@@ -300,6 +300,10 @@ class Settings:
     # caches the activations for backward as DeepSeek-V3 does, most of them in FP8
     precision: str = "bf16"
     fp8_activations: bool = False
+    # what the states take per parameter (precision_model.RECIPES): the ZeRO paper's
+    # mixed precision, 2 + 2 + 12 bytes, or a framework's fp32 gradient buffer, as
+    # Megatron-LM keeps with bf16 (fp32_grads: 2 + 4 + 12, its gradients reduced in fp32)
+    states: str = "mixed"
 
 
 def divisors(n):
@@ -325,10 +329,11 @@ def group_time(op, bytes_, size, span_per_node, hw):
                                                          hw.nvlink, hw.network)
 
 
-def priced(collectives, size, per_node, hw, gather_bytes=VALUE_BYTES):
+def priced(collectives, size, per_node, hw, gather_bytes=VALUE_BYTES, reduce_bytes=VALUE_BYTES):
     """Seconds of a list of (op, elements) collectives of 16-bit values (group_time), the
-    all-gathers' at `gather_bytes` per element (less where FP8 weights are gathered)."""
-    return sum(count * group_time(op, (gather_bytes if op == "all_gather" else VALUE_BYTES)
+    all-gathers' at `gather_bytes` per element (less where FP8 weights are gathered), the
+    reductions' at `reduce_bytes` (more where gradients are reduced in fp32)."""
+    return sum(count * group_time(op, (gather_bytes if op == "all_gather" else reduce_bytes)
                                   * numel, size, per_node, hw)
                for (op, numel), count in Counter(collectives).items())
 
@@ -350,13 +355,14 @@ def tensor_parallel_time(layers, seq, batch, hidden, tp, embedding, microbatches
 
 @functools.lru_cache(maxsize=65536)
 def data_parallel_time(zero, params, microbatches, units, size, per_node, hw,
-                       gather_bytes=VALUE_BYTES):
+                       gather_bytes=VALUE_BYTES, reduce_bytes=VALUE_BYTES):
     """Seconds of a step's data-parallel collectives (comm_model.
     data_parallel_step_collectives) over `size` replicas, `per_node` of them per node, the
-    parameters gathered at `gather_bytes` per element."""
+    parameters gathered at `gather_bytes` per element, the gradients reduced at
+    `reduce_bytes`."""
     return priced(comm_model.data_parallel_step_collectives(zero, params, microbatches,
                                                             units), size, per_node, hw,
-                  gather_bytes)
+                  gather_bytes, reduce_bytes)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -375,7 +381,7 @@ def stage_params(model, first_layer, layers, tp, ep, first, last, matrices_only=
 
 @functools.lru_cache(maxsize=65536)
 def stage_footprints(model, split, tp, ep, replicas, zero, recompute, flash,
-                     fp8_activations=False):
+                     fp8_activations=False, states="mixed"):
     """Per pipeline stage, what one rank holds whatever the micro-batches: (its model
     states {params, grads, optimizer, total} in mixed-precision Adam, the dense weights
     over `replicas` ranks and each expert's over replicas / ep; the activation values per
@@ -386,10 +392,11 @@ def stage_footprints(model, split, tp, ep, replicas, zero, recompute, flash,
     for stage, count in enumerate(split):
         first, last = stage == 0, stage == len(split) - 1
         dense, experts = stage_params(model, first_layer, count, tp, ep, first, last)
-        states = memory_model.state_bytes_per_gpu(dense, replicas, zero)
+        held = memory_model.state_bytes_per_gpu(dense, replicas, zero, precision=states)
         if experts:
-            e = memory_model.state_bytes_per_gpu(experts, max(1, replicas // ep), zero)
-            states = {k: states[k] + e[k] for k in states}
+            e = memory_model.state_bytes_per_gpu(experts, max(1, replicas // ep), zero,
+                                                 precision=states)
+            held = {k: held[k] + e[k] for k in held}
         if recompute == "full":     # each layer's input, and one layer rebuilt at a time
             kept = count * model.hidden / tp
             rebuilt = stage_activation_values(model, first_layer, count, tp, flash,
@@ -398,7 +405,7 @@ def stage_footprints(model, split, tp, ep, replicas, zero, recompute, flash,
             kept = stage_activation_values(model, first_layer, count, tp,
                                            flash or recompute != "none", fp8_activations)[0]
             rebuilt = 0
-        footprints.append((states, kept, rebuilt))
+        footprints.append((held, kept, rebuilt))
         first_layer += count
     return tuple(footprints)
 
@@ -492,7 +499,7 @@ def stage_spans(split):
 
 @functools.lru_cache(maxsize=65536)
 def stage_data_parallel_time(model, start, count, first, last, tp, ep, zero, microbatches,
-                             replicas, precision, hw):
+                             replicas, precision, hw, states="mixed"):
     """Seconds of one stage's data-parallel collectives in a step: its dense parameters
     over the dp x cp replicas (tp apart), its experts' over replicas / ep (tp x ep apart),
     the parameters gathered in the recipe's bytes (FP8 for the linear weights under fp8)."""
@@ -505,7 +512,7 @@ def stage_data_parallel_time(model, start, count, first, last, tp, ep, zero, mic
             per_node = members_per_node(inner, size, hw)
             gather = precision_model.gather_bytes_per_value(precision, fp8_params / params)
             total += data_parallel_time(zero, params, microbatches, count, size, per_node, hw,
-                                        gather)
+                                        gather, precision_model.RECIPES[states].reduce)
     return total
 
 
@@ -536,7 +543,8 @@ def memory(model, layout, settings, hw):
     tokens = model.seq // cp * b                  # of one micro-batch, on this rank
     split = stage_split(model, pp, v, settings.flash_attention)
     footprints = stage_footprints(model, split, tp, ep, replicas, zero, recompute,
-                                  settings.flash_attention, settings.fp8_activations)
+                                  settings.flash_attention, settings.fp8_activations,
+                                  settings.states)
     if layout.get("dualpipe"):   # [(stage, micro-batches held)] of each rank
         holdings = memory_model.dualpipe_peak_microbatches(pp, m)
     else:   # in flight: micro-batches (1F1B) or chunk-micro-batches of 1/v of the layers
@@ -617,7 +625,8 @@ def step_time(model, layout, settings, hw):
     # the stage whose collectives take longest (the pipeline moves at its slowest stage)
     replicas = dp * cp
     dp_s = max(stage_data_parallel_time(model, start, count, stage == 0, stage == pp - 1,
-                                        tp, ep, zero, m, replicas, settings.precision, hw)
+                                        tp, ep, zero, m, replicas, settings.precision, hw,
+                                        settings.states)
                for stage, start, count in stage_spans(split))
     backward = 2 * forward
     window = {"ddp": backward / m, "zero1": backward / m, "zero2": backward,

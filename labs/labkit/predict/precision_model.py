@@ -152,6 +152,10 @@ class Recipe:
 #   bf16_reduce    the same with reduce_dtype=bf16
 #   fp8_allgather  bf16_params, with the FP8 linear layers' weights cast to float8 (and
 #                  their scale) before the all-gather, as torchao's float8 does under FSDP2
+#   fp32_grads     Megatron-LM's and Megatron-Core's bf16 (and FP8) training: bf16
+#                  parameters, gradients accumulated and reduced in an fp32 buffer
+#                  (main_grad), an fp32 master: 2 + 4 + 4 + Adam's 8 = 18 bytes, the table
+#                  of Megatron-LM's distributed-optimizer guide
 RECIPES = {
     "fp32": Recipe(params=4, grads=4, master=0, gather=4, reduce=4),
     "mixed": Recipe(params=2, grads=2, master=4, gather=2, reduce=2),
@@ -159,6 +163,7 @@ RECIPES = {
     "bf16_params": Recipe(params=4, grads=4, master=0, gather=2, reduce=4),
     "bf16_reduce": Recipe(params=4, grads=4, master=0, gather=2, reduce=2),
     "fp8_allgather": Recipe(params=4, grads=4, master=0, gather=2, reduce=4, fp8_gather=1),
+    "fp32_grads": Recipe(params=2, grads=4, master=4, gather=2, reduce=4),
 }
 
 
