@@ -161,6 +161,9 @@ def parse_args(argv=None):
     choose.add_argument("--fp8-activations", action="store_true",
                         help="with --precision fp8: cache the activations for backward as "
                              "DeepSeek-V3 did, most of them in FP8")
+    choose.add_argument("--fp32-grads", action="store_true",
+                        help="gradients kept and reduced in an fp32 buffer, as Megatron-LM "
+                             "does with bf16: 18 bytes of states per parameter, not 16")
     choose.add_argument("--layout", type=layout_type,
                         help="evaluate one layout, tp=8,pp=16,dp=128[,cp=..,ep=..,v=..]")
     parser.add_argument("--top", type=positive_int, default=10, help="configurations printed")
@@ -216,6 +219,7 @@ def settings_from_args(args):
         global_batch_tokens=args.global_batch_tokens, mfu=args.mfu, tp_overlap=args.tp_overlap,
         flash_attention=args.flash_attention, zero=tuple(args.zero),
         precision=args.precision, fp8_activations=args.fp8_activations,
+        states="fp32_grads" if args.fp32_grads else "mixed",
         recompute=planner.RECOMPUTE if args.recompute == "auto" else (args.recompute,))
 
 

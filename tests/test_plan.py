@@ -384,6 +384,8 @@ def test_an_fp32_gradient_buffer_takes_two_bytes_more_and_reduces_in_fp32():
     assert sum(memory_model.bytes_per_parameter("adam", "fp32_grads")) == 18
     rs = {b: planner.priced([("reduce_scatter", 1e9)], 64, 8, hw, reduce_bytes=b) for b in (2, 4)}
     assert rs[4] > 1.9 * rs[2]
+    assert plan.settings_from_args(plan.parse_args(
+        ["--model", "llama3-8b", "--gpus", "8", "--fp32-grads"])).states == "fp32_grads"
 
 
 def test_full_recomputation_repeats_the_expert_all_to_alls():
