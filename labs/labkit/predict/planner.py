@@ -447,8 +447,10 @@ def stage_split(model, pp, chunks=1, flash=True):
     """The layers of each of pp stages, as the planner cuts them, or None where no cut can
     run. From the even cut (memory_model.stage_layers), up to MAX_END_TRIM layers come off
     the first and the last stage and spread over the others, as Llama 3 balanced its
-    pipeline by taking one layer off each end (Dubey et al., 2024, section 3.3.2): the last
-    stage also runs the head, and the first holds the most micro-batches in flight. The cut
+    pipeline with one layer fewer on each end stage (Dubey et al., 2024, section 3.3.2; it
+    interleaved, with unequal chunks, which this cut cannot: every chunk here holds the
+    same layers): the last stage also runs the head, and the first holds the most
+    micro-batches in flight. The cut
     whose slowest stage has the fewest FLOPs wins; of cuts as fast, the one that takes most
     off the first stage, then least off the last. An interleaved schedule of `chunks`
     chunks per rank needs a whole number of layers in each chunk: every count a multiple
@@ -599,10 +601,12 @@ def step_time(model, layout, settings, hw):
     split = stage_split(model, pp, v, settings.flash_attention)
     slowest = work * stage_imbalance(model, split, settings.flash_attention)
     if layout.get("dualpipe"):
-        # DeepSeek-V3's Table 2: (pp/2 - 1)(F&B + B - 3W) per micro-batch, with F&B the
-        # overlapped forward and backward (F + B when compute-bound), F = 1/3 and B = 2/3
-        # of a micro-batch's work, W (weights' gradients) half of B: (pp/2 - 1) x 2/3
-        bubble = slowest - work + (pp / 2 - 1) * 2 / 3 * slowest / m
+        # DeepSeek-V3's Table 2: (pp/2 - 1)(F&B + B - 3W) per micro-batch, F&B the
+        # overlapped forward and backward (F + B when compute-bound), B the backward with
+        # any recomputed forward, W the weights' gradients, half the backward proper (= F):
+        # 2B - 2F, two thirds of a micro-batch's work without recomputation
+        b_time = work - forward
+        bubble = slowest - work + (pp / 2 - 1) * (2 * b_time - 2 * forward) / work * slowest / m
     else:
         fraction = time_model.pipeline_bubble_fraction(pp, m, v)
         bubble = slowest / (1 - fraction) - work
@@ -636,10 +640,11 @@ def step_time(model, layout, settings, hw):
     cp_s = 0.0
     if cp > 1:
         link = hw.nvlink if tp * cp <= node else hw.network
-        _, k_width, v_width, _ = model.attention_widths()
+        q, k_width, v_width, out = model.attention_widths()
         block = VALUE_BYTES * b * seq * (k_width + v_width) / tp   # this rank's heads' K, V
         send = link[0] + block / link[1]
-        block_flops = 4 * b * seq * seq * model.hidden / tp * 0.5 * 3   # fwd + bwd, causal
+        # scores and weighted values of one block, forward and backward, causal
+        block_flops = 2 * b * seq * seq * (q + out) / tp * 0.5 * 3
         per_layer = (cp - 1) * max(0.0, 2 * send - block_flops / rate) if cp > 1 else 0.0
         cp_s = per_layer * max(split) * m
     # expert parallelism: dispatch and combine, forward and backward, exposed

@@ -105,20 +105,22 @@ def hierarchical_allreduce_time(bytes_, world_size, gpus_per_node, intra, inter,
 
 def hierarchical_shard_collective_time(bytes_, world_size, gpus_per_node, intra, inter):
     """Alpha-beta model of an all-gather or reduce-scatter over nodes of `gpus_per_node`
-    GPUs, as a ring only: NCCL runs these two as rings (or NVLS and CollNet, with switch
-    support; PAT since 2.23 at one GPU per node), never as trees (its tuning model,
-    src/graph/tuning.cc, skips the tree for them). The data is cut as in
-    hierarchical_allreduce_time's first half: a ring inside each node, then a ring of each
-    GPU's 1/G share across the nodes, one network card each, the phases one after the other.
-    Its latency grows with the nodes, (nodes - 1) network steps, where a tree's would grow
-    with their logarithm."""
+    GPUs, as NCCL's tuning model (src/graph/tuning.cc) prices its ring, the algorithm it
+    runs these two with across nodes of several GPUs (no tree; NVLS and CollNet need switch
+    support, PAT, since 2.23, one GPU per node). One ring through all N ranks, pipelined:
+    N - 1 steps, of which nodes - 1 cross the network and the others NVLink; every GPU
+    passes (N - 1)/N of the data on over NVLink, and the G rings, one per network card,
+    carry it between nodes, each card (N - 1)/N of 1/G of it, whichever is slower. Its
+    latency grows with the ranks, where a tree's would grow with their logarithm."""
     g = gpus_per_node
     if world_size <= g:
         return shard_collective_time(bytes_, world_size, *intra) if world_size > 1 else 0.0
     if world_size % g:
         raise ValueError(f"{world_size} GPUs do not fill nodes of {g}")
-    return (shard_collective_time(bytes_, g, *intra)
-            + shard_collective_time(bytes_ / g, world_size // g, *inter))
+    n, nodes = world_size, world_size // g
+    (alpha_intra, beta_intra), (alpha_inter, beta_inter) = intra, inter
+    latency = (n - nodes) * alpha_intra + (nodes - 1) * alpha_inter
+    return latency + (n - 1) / n * bytes_ / min(beta_intra, g * beta_inter)
 
 
 def delay_s(bytes_, world_size, ns_per_byte, op="all_reduce"):
