@@ -68,8 +68,21 @@ COMPUTE_EFFICIENCY = 0.55
 TP_OVERLAP = 0.0
 
 
+class HashedOnce:
+    """A frozen dataclass that computes its hash once: the planner's caches look the model
+    and the hardware up hundreds of thousands of times a plan, and a dataclass's own hash
+    rebuilds the tuple of its fields every time."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "_hash", hash(tuple(
+            getattr(self, field.name) for field in dataclasses.fields(self))))
+
+    def __hash__(self):
+        return self._hash
+
+
 @dataclasses.dataclass(frozen=True)
-class Model:
+class Model(HashedOnce):
     """A decoder-only transformer. gpt=True is the course's model (labs/labkit/
     transformer.py, GPT-2/3 and Megatron-LM's GPT): biases, LayerNorms, learned positions,
     an MLP of ffn_hidden (4h) with GELU. gpt=False is a Llama-style model: no biases,
@@ -268,7 +281,7 @@ class Model:
 
 
 @dataclasses.dataclass(frozen=True)
-class Hardware:
+class Hardware(HashedOnce):
     gpus: int
     gpus_per_node: int = hardware.GPUS_PER_NODE
     gpu_memory_gb: float = 80.0
@@ -286,7 +299,7 @@ class Hardware:
 
 
 @dataclasses.dataclass(frozen=True)
-class Settings:
+class Settings(HashedOnce):
     """What the run fixes besides the layout and the hardware."""
     global_batch_tokens: int
     mfu: float = COMPUTE_EFFICIENCY
@@ -304,6 +317,11 @@ class Settings:
     # mixed precision, 2 + 2 + 12 bytes, or a framework's fp32 gradient buffer, as
     # Megatron-LM keeps with bf16 (fp32_grads: 2 + 4 + 12, its gradients reduced in fp32)
     states: str = "mixed"
+
+
+# dataclass(frozen=True) writes a __hash__ of its own into each class: put the cached one back
+for _cls in (Model, Hardware, Settings):
+    _cls.__hash__ = HashedOnce.__hash__
 
 
 def divisors(n):
@@ -500,6 +518,25 @@ def stage_spans(split):
 
 
 @functools.lru_cache(maxsize=65536)
+def slowest_data_parallel_time(model, split, tp, ep, zero, microbatches, replicas, precision,
+                               hw, states):
+    """The longest of the stages' data-parallel times (stage_data_parallel_time): the
+    pipeline moves at its slowest stage."""
+    pp = len(split)
+    return max(stage_data_parallel_time(model, start, count, stage == 0, stage == pp - 1,
+                                        tp, ep, zero, microbatches, replicas, precision, hw,
+                                        states)
+               for stage, start, count in stage_spans(split))
+
+
+@functools.lru_cache(maxsize=4096)
+def most_moe_layers(model, split):
+    """The MoE layers of the stage that holds most of them."""
+    return max(sum(1 for i in range(start, start + count) if i >= model.dense_layers)
+               for _, start, count in stage_spans(split))
+
+
+@functools.lru_cache(maxsize=65536)
 def stage_data_parallel_time(model, start, count, first, last, tp, ep, zero, microbatches,
                              replicas, precision, hw, states="mixed"):
     """Seconds of one stage's data-parallel collectives in a step: its dense parameters
@@ -547,10 +584,30 @@ def memory(model, layout, settings, hw):
     footprints = stage_footprints(model, split, tp, ep, replicas, zero, recompute,
                                   settings.flash_attention, settings.fp8_activations,
                                   settings.states)
-    if layout.get("dualpipe"):   # [(stage, micro-batches held)] of each rank
-        holdings = memory_model.dualpipe_peak_microbatches(pp, m)
-    else:   # in flight: micro-batches (1F1B) or chunk-micro-batches of 1/v of the layers
-        holdings = [((stage, in_flight[stage] / v),) for stage in range(pp)]
+    # the last stage's head: the final norm's input and output (split by sequence
+    # parallelism) and the logits' softmax in fp32, split over the vocabulary, for the
+    # micro-batch whose backward comes next (memory_model.stage_activation_bytes)
+    head_bytes = (VALUE_BYTES * 2 * model.hidden / tp + 4 * model.vocab / tp) * tokens
+    if not layout.get("dualpipe"):
+        # one stage per rank, micro-batches (1F1B) or chunk-micro-batches of 1/v of the
+        # layers in flight: the loop below, written out, as the planner runs it most
+        worst_total, worst_stage = None, None
+        for stage, (states, kept_values, rebuilt_values) in enumerate(footprints):
+            head = head_bytes if stage == pp - 1 else 0
+            kept = VALUE_BYTES * tokens * in_flight[stage] / v * kept_values
+            if recompute == "full":
+                activations = kept + max(VALUE_BYTES * tokens * rebuilt_values, head)
+            else:
+                activations = kept + head
+            if worst_total is None or states["total"] + activations > worst_total:
+                worst_total = states["total"] + activations
+                worst_stage = (stage, states, activations, head)
+        stage, states, activations, head = worst_stage
+        return {"params": states["params"], "grads": states["grads"],
+                "optimizer": states["optimizer"], "states": states["total"],
+                "activations": activations, "logits": head, "total": worst_total,
+                "stage": stage}
+    holdings = memory_model.dualpipe_peak_microbatches(pp, m)   # [(stage, held)] per rank
     worst = None
     for rank, held_stages in enumerate(holdings):
         states = footprints[held_stages[0][0]][0]
@@ -560,10 +617,7 @@ def memory(model, layout, settings, hw):
                    for stage, held in held_stages)
         rebuilt = max(footprints[stage][2] for stage, _ in held_stages)
         last = any(stage == pp - 1 for stage, _ in held_stages)
-        # the last stage's head: the final norm's input and output (split by sequence
-        # parallelism) and the logits' softmax in fp32, split over the vocabulary, for the
-        # micro-batch whose backward comes next (memory_model.stage_activation_bytes)
-        head = (VALUE_BYTES * 2 * model.hidden / tp + 4 * model.vocab / tp) * tokens if last else 0
+        head = head_bytes if last else 0
         if recompute == "full":   # backward starts at the head, then rebuilds layer by layer
             activations = kept + max(VALUE_BYTES * tokens * rebuilt, head)
         else:
@@ -574,8 +628,7 @@ def memory(model, layout, settings, hw):
                      "optimizer": states["optimizer"], "states": states["total"],
                      "activations": activations, "logits": head, "total": total,
                      "stage": rank}
-            if layout.get("dualpipe"):
-                worst["stages"] = tuple(stage for stage, _ in held_stages)
+            worst["stages"] = tuple(stage for stage, _ in held_stages)
     return worst
 
 
@@ -628,10 +681,8 @@ def step_time(model, layout, settings, hw):
     # data parallelism over the dp x cp replicas (experts over dp x cp / ep), hierarchical:
     # the stage whose collectives take longest (the pipeline moves at its slowest stage)
     replicas = dp * cp
-    dp_s = max(stage_data_parallel_time(model, start, count, stage == 0, stage == pp - 1,
-                                        tp, ep, zero, m, replicas, settings.precision, hw,
-                                        settings.states)
-               for stage, start, count in stage_spans(split))
+    dp_s = slowest_data_parallel_time(model, split, tp, ep, zero, m, replicas,
+                                      settings.precision, hw, settings.states)
     backward = 2 * forward
     window = {"ddp": backward / m, "zero1": backward / m, "zero2": backward,
               "zero3": work}[zero]
@@ -666,8 +717,7 @@ def step_time(model, layout, settings, hw):
                       hw.nvlink[0] + nv_bytes / hw.nvlink[1])
         else:
             one = hw.nvlink[0] + nv_bytes / hw.nvlink[1]
-        moe_here = max(sum(1 for i in range(start, start + count) if i >= model.dense_layers)
-                       for _, start, count in stage_spans(split))   # the stage with most
+        moe_here = most_moe_layers(model, split)
         # dispatch and combine forward and backward, and the forward's again where full
         # recomputation reruns it, as it reruns the tensor-parallel collectives
         passes = 6 if recompute == "full" else 4
@@ -728,9 +778,9 @@ def why_not(model, layout, settings, hw):
     return None
 
 
-def evaluate(model, layout, settings, hw):
-    """`layout` with its memory, time and MFU (a new dict)."""
-    mem = memory(model, layout, settings, hw)
+def evaluate(model, layout, settings, hw, mem=None):
+    """`layout` with its memory (`mem` if already known), time and MFU (a new dict)."""
+    mem = mem or memory(model, layout, settings, hw)
     time_s = step_time(model, layout, settings, hw)
     split = stage_split(model, layout["pp"], layout["chunks"], settings.flash_attention)
     return {**layout, "stage_layers": list(split), "memory_bytes": mem,
@@ -784,9 +834,9 @@ def configurations(model, settings, hw, cp=None, ep=None):
         for config in settings_for(model, degrees, settings):
             if why_not(model, config, settings, hw):
                 continue
-            result = evaluate(model, config, settings, hw)
-            if result["fits"]:
-                found.append(result)
+            mem = memory(model, config, settings, hw)
+            if mem["total"] <= hw.gpu_memory_gb * 1e9:   # only what fits is timed
+                found.append(evaluate(model, config, settings, hw, mem))
     found.sort(key=lambda c: (c["time_s"]["step"], c["memory_bytes"]["total"]))
     return found
 
