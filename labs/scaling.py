@@ -34,6 +34,9 @@ Launch lines (from the repository root):
                            --strategy ddp --scaling strong --out s2.json
   GPU box, NCCL:         torchrun --standalone --nproc_per_node=8 labs/scaling.py \\
                            --strategy fsdp --scaling weak --batch 8 --out s8.json
+  a trace per rank:      torchrun --standalone --nproc_per_node=2 labs/scaling.py \\
+                           --strategy ddp --profile prof/
+                         python labs/trace.py analyze prof/*.json
   two nodes (run on each, HOST = node 0's address):
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
              --rdzv-id=scaling labs/scaling.py --strategy ddp --scaling weak --out s16.json
@@ -45,7 +48,8 @@ sequences of the model, on one rank), and `runs`, one per (strategy, scaling):
 [{strategy, scaling, step_time_s, step_time_spread_s (upper minus lower quartile),
 step_time_quartiles_s, samples_per_s, compute_time_s (and forward_, backward_,
 optimizer_time_s), comm_time_s, predicted_step_time_s, predicted_comm_time_s,
-model_overlap, collectives [{op, bytes}], batch_per_rank, global_batch}]; sub_worlds
+model_overlap, collectives [{op, bytes}], batch_per_rank, global_batch, profile (rank 0's
+trace with --profile, else null)}]; sub_worlds
 [{world_size, alpha_s, beta_bytes_per_s, link_fit_error, runs}], one per --sub-worlds size,
 largest first.
 """
@@ -58,7 +62,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.predict import comm_model, memory_model, time_model
-from labkit.runtime import distenv, timing
+from labkit.runtime import distenv, profiling, timing
 from labkit.parallel.strategies import SCALING_SHAPE as SHAPE
 from labkit.parallel.strategies import apply_ddp, apply_fsdp, rank_batch, train_step, world_mesh
 from labkit.model.transformer import Transformer, next_token_loss
@@ -158,6 +162,11 @@ def measure(strategy, scaling, args, env, link, group=None):
                           group)
              for _ in range(args.warmup + args.steps)][args.warmup:]
     median, low, high = timing.summary(steps)
+    trace = None
+    if args.profile:   # extra steps, untimed: see labkit.runtime.profiling
+        trace = str(profiling.profile_steps(
+            args.profile, f"{strategy}-{scaling}-n{n}", env.device,
+            lambda: train_step(wrapped, optimizer, ids, targets)))
     env.progress(f"{strategy}, {scaling}: compute alone")
     # 2. its parts alone: compute without communication, communication without compute
     compute = timing.compute_times(plain, torch.optim.SGD(plain.parameters(), lr=LEARNING_RATE),
@@ -186,6 +195,7 @@ def measure(strategy, scaling, args, env, link, group=None):
         "predicted_step_time_s": predicted,
         "model_overlap": overlap,
         "collectives": [{"op": op, "bytes": b} for op, b in plan],
+        "profile": trace,
     }
 
 
@@ -217,6 +227,7 @@ def parse_args(argv=None):
     parser.add_argument("--batch", type=distenv.positive_int, default=BATCH,
                         help="strong: sequences per step in all; weak: sequences per rank")
     parser.add_argument("--steps", type=distenv.positive_int, default=STEPS, help="timed steps")
+    profiling.add_profile_arg(parser)
     parser.add_argument("--warmup", type=distenv.at_least(0), default=WARMUP,
                         help="untimed first steps")
     distenv.add_sub_worlds_arg(parser)

@@ -8,6 +8,7 @@
   timing       timing a distributed operation honestly (barrier, sync, slowest rank)
   collectives  the collectives a step issues, counted as torch's dispatcher sees them
   activations  the bytes autograd keeps for backward, counted by block
+  profiling    --profile DIR: a lab's steps under torch.profiler, a Chrome trace per rank
   notebook     what a chapter's first cell imports: run_lab, table, glue, formats, plots
 
 Imports torch (distenv, timing and the counting) and labkit.predict; never model/ or

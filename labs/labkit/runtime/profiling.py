@@ -1,0 +1,42 @@
+"""--profile DIR: a lab's training steps under torch.profiler, one Chrome trace per rank,
+for labs/trace.py (labkit.predict.trace_reader) to read against the step-time model.
+
+The profiled steps are extra steps, run after the lab's own measurement and without its
+timing (whose barrier and all-reduce of each step's time would show in the trace as
+collectives of the step): one warm-up step the profiler discards, then PROFILED_STEPS
+recorded ones, each closed by prof.step(), which torch.profiler marks "ProfilerStep#n".
+"""
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+PROFILED_STEPS = 2
+
+
+def add_profile_arg(parser):
+    parser.add_argument("--profile", type=Path, metavar="DIR", default=None,
+                        help=f"then profile {PROFILED_STEPS} more training steps (after one "
+                             f"warm-up) and write a Chrome trace per rank to DIR, for "
+                             f"labs/trace.py analyze")
+
+
+def profile_steps(directory, name, device, step, steps=PROFILED_STEPS):
+    """Run step() 1 + steps times under torch.profiler (CPU, and CUDA on a GPU), the first
+    as its warm-up, and write DIR/<name>-rank<r>.json (r the global rank). Returns its
+    path."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    path = Path(directory) / f"{name}-rank{dist.get_rank()}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=steps),
+                 on_trace_ready=lambda prof: prof.export_chrome_trace(str(path))) as prof:
+        for _ in range(1 + steps):
+            step()
+            if device.type == "cuda":   # the step's kernels end inside its annotation
+                torch.cuda.synchronize(device)
+            prof.step()
+    return path
