@@ -28,6 +28,8 @@ Launch lines (from the repository root):
   laptop, gloo on CPU:   torchrun --standalone --nproc_per_node=3 labs/fsdp.py --out f3.json
   N = 3, then 2 and 1:   torchrun --standalone --nproc_per_node=3 labs/fsdp.py --sub-worlds 2,1
   GPU box, NCCL:         torchrun --standalone --nproc_per_node=8 labs/fsdp.py --out f8.json
+  FSDP2's trace per rank: torchrun --standalone --nproc_per_node=2 labs/fsdp.py --profile prof/
+                         python labs/trace.py analyze prof/fsdp2-n2-rank*.json
   and a checkpoint:      torchrun --standalone --nproc_per_node=4 labs/fsdp.py \\
                            --checkpoint-dir ckpt --out f4.json
                          python labs/checkpoint.py resume --dir ckpt --out resume.json
@@ -40,6 +42,7 @@ predicted_comm_bytes_per_rank {ddp, zero3}; memory_timeline {ddp, zero3: {events
 unit, point, param_bytes, grad_bytes}], peak_bytes, predicted_events, predicted_peak_bytes}};
 state_bytes_per_rank and predicted_state_bytes_per_rank {ddp, zero3: {params, grads,
 optimizer, total}}; param_count, padded_param_count, unit_param_counts, unit_padded_counts;
+profile (rank 0's trace of torch's FSDP2 with --profile, else null);
 with --checkpoint-dir, checkpoint: what `checkpoint.py save` reports (its step,
 checkpoint_bytes, full_export_bytes, param_count); `sub_worlds`, a result like this one
 (without the checkpoint, with its `world_size`) for each --sub-worlds size, largest first.
@@ -52,7 +55,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from labkit.predict import comm_model, memory_model
-from labkit.runtime import distenv
+from labkit.runtime import distenv, profiling
 from labkit.parallel.strategies import FSDP_FAMILY as SETUP
 from labkit.parallel.strategies import TorchDDP, apply_fsdp, rank_batch, train_step, world_mesh
 from labkit.model.transformer import Transformer, next_token_loss
@@ -286,7 +289,7 @@ def run(args, env):
             "peak_bytes": memory_model.timeline_peak(events) if events else None,
             "predicted_events": predicted,
             "predicted_peak_bytes": memory_model.timeline_peak(predicted)}
-    return {
+    result = {
         "max_param_diff": {
             "scratch_vs_ddp": distenv.max_param_diff(zero3.full_parameters(), reference,
                                                      env.device, env.group),
@@ -305,11 +308,17 @@ def run(args, env):
         "padded_param_count": padded,
         "unit_param_counts": unit_numels,
         "unit_padded_counts": unit_padded,
+        "profile": None,
     }
+    if args.profile:   # torch's FSDP2: extra steps on the last batch, after the comparison
+        result["profile"] = str(profiling.profile_steps(
+            args.profile, f"fsdp2-n{n}", env.device, lambda: fsdp2.train_step(ids, targets)))
+    return result
 
 
 def parse_args(argv=None):
     parser = distenv.lab_parser(__doc__)
+    profiling.add_profile_arg(parser)
     parser.add_argument("--steps", type=distenv.positive_int, default=SETUP.steps,
                         help="training steps of each implementation (the last one is measured)")
     parser.add_argument("--checkpoint-dir", type=Path, default=None, metavar="DIR",

@@ -18,11 +18,34 @@ def checkpoint_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def launch(checkpoint_dir):
-    """N = 3, which also saves the checkpoint lab's checkpoint (--checkpoint-dir), then
-    N = 2 and 1 on its first ranks."""
+def profile_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("fsdp-profile")
+
+
+@pytest.fixture(scope="module")
+def launch(checkpoint_dir, profile_dir):
+    """N = 3, which also saves the checkpoint lab's checkpoint (--checkpoint-dir) and
+    profiles torch's FSDP2 (--profile), then N = 2 and 1 on its first ranks."""
     return run_lab("fsdp", 3, ["--steps", 3, "--checkpoint-dir", checkpoint_dir,
-                               "--sub-worlds", "2,1"], echo=False)
+                               "--profile", profile_dir, "--sub-worlds", "2,1"], echo=False)
+
+
+def test_fsdp2_s_trace_holds_two_gathers_and_a_reduction_per_unit_and_step(launch, profile_dir):
+    """--profile: each of the three ranks' traces of FSDP2's two profiled steps (read by
+    labkit.predict.trace_reader) gathers every unit twice and reduces it once a step, as
+    comm_model.data_parallel_step_collectives lists ZeRO-3's; gloo carries a reduce-scatter
+    out as an all-reduce, and names it so."""
+    from labkit.predict import comm_model, trace_reader
+    traces = sorted(profile_dir.glob("fsdp2-n3-rank*.json"))
+    assert len(traces) == 3 and launch["profile"] == str(traces[0])
+    units = len(launch["unit_param_counts"])
+    listed = comm_model.data_parallel_step_collectives("zero3", 1, units=units)
+    per_step = {op: sum(o == op for o, _ in listed) for op in ("all_gather", "reduce_scatter")}
+    ranks = trace_reader.analyze_all([(p.name, trace_reader.load_file(p)) for p in traces])
+    for r in ranks["ranks"].values():
+        assert r["steps"] == 2
+        assert r["collectives"] == {"all_gather": 2 * per_step["all_gather"],
+                                    "all_reduce": 2 * per_step["reduce_scatter"]}
 
 
 @pytest.fixture(scope="module")
