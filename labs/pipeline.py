@@ -27,6 +27,9 @@ Launch lines (from the repository root):
   laptop, gloo on CPU:  torchrun --standalone --nproc_per_node=4 labs/pipeline.py \\
                           --microbatches 1,2,4,8 --compute-ms 5 --out pp4.json
   one process:          python labs/pipeline.py --schedule gpipe
+  a trace per stage:    torchrun --standalone --nproc_per_node=4 labs/pipeline.py \\
+                          --schedule 1f1b --profile prof/
+                        python labs/trace.py analyze prof/1f1b-m4-p4-rank*.json
   GPU box, NCCL (m >= p, or torch's 1F1B skips itself):
                         torchrun --standalone --nproc_per_node=8 labs/pipeline.py \\
                           --microbatches 8,16 --layers 16 --hidden 1024 --heads 16 \\
@@ -44,7 +47,8 @@ predicted_bubble_fraction_with_handoff (the step's critical path through its ops
 ran, joined by the median handoff) and predicted_bubble_fraction_with_handoff_range (by
 the smallest and largest), peak_microbatches_in_flight and
 predicted_peak_microbatches_in_flight (one per stage), p2p_bytes_per_rank and
-predicted_p2p_bytes_per_rank (one per rank), ops_over_compute_ms}} for the first
+predicted_p2p_bytes_per_rank (one per rank), ops_over_compute_ms, profile (rank 0's trace
+with --profile, else null)}} for the first
 --microbatches value, and `timeline` {name: [{stage, op, microbatch, chunk, start_s,
 end_s, wait_s}]} of its last step (the one timed: the steps before it run unpadded), gathered from every rank (wait_s: when the stage
 waited for the op's input); `sweep` [{microbatches, batch, schedules, skipped}] for every
@@ -67,7 +71,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.predict import comm_model, memory_model, time_model
-from labkit.runtime import distenv
+from labkit.runtime import distenv, profiling
 from labkit.runtime.collectives import CountCollectives
 from labkit.parallel.pipeline_schedules import (OpClock, handoff_samples, run_schedule,
                                                 schedule_order, split_pieces, timed_torch_stage)
@@ -156,9 +160,9 @@ class Pipeline:
             self.torch_schedule.step()
 
 
-def run_one(name, shape, m, args, env, expected, handoffs):
+def run_one(name, shape, m, args, env, expected, handoffs, profile=False):
     """Train schedule `name` with m micro-batches: its results (on every rank) and its last
-    step's timeline."""
+    step's timeline; with `profile`, then its trace per rank (--profile)."""
     pipeline = Pipeline(name, shape, m, args, env)
     # the whole device, NCCL's streams included: the step ends when its last sends have
     synchronize = ((lambda: torch.cuda.synchronize(env.device)) if env.device.type == "cuda"
@@ -250,9 +254,19 @@ def run_one(name, shape, m, args, env, expected, handoffs):
         "predicted_p2p_bytes_per_rank": comm_model.pipeline_p2p_bytes_per_rank(
             p, m, args.batch // m * shape.seq * shape.hidden, v),
         "ops_over_compute_ms": sum(r["over"] for r in ranks),
+        "profile": None,
     }
     timeline = sorted((e for r in ranks for e in r["events"]),
                       key=lambda e: (e["stage"], e["start_s"]))
+    if profile:   # extra steps at the ops' own speed, after the comparison above
+        def one_step():
+            pipeline.clock.reset()
+            pipeline.clock.compute_s = None
+            pipeline.run_schedule(ids, targets, args.timeout)
+            pipeline.optimizer.step()
+            pipeline.optimizer.zero_grad(set_to_none=True)
+        result["profile"] = str(profiling.profile_steps(args.profile, f"{name}-m{m}-p{p}",
+                                                        env.device, one_step))
     return result, timeline
 
 
@@ -309,7 +323,8 @@ def run(args, env):
                 skipped[name] = reason
                 env.print0(f"{name:>17} m={m:<2}: skipped, {reason}")
                 continue
-            result, timeline = run_one(name, shape, m, args, env, expected, handoffs)
+            result, timeline = run_one(name, shape, m, args, env, expected, handoffs,
+                                       profile=args.profile is not None and index == 0)
             schedules[name] = result
             if index == 0:
                 timelines[name] = timeline
@@ -375,6 +390,7 @@ def parse_args(argv=None):
     parser.add_argument("--chunks", type=distenv.at_least(2), default=2,
                         help="pieces per rank in torch_interleaved (v)")
     parser.add_argument("--steps", type=distenv.positive_int, default=STEPS, help="training steps")
+    profiling.add_profile_arg(parser)
     add_shape_args(parser, SHAPE)
     args = parser.parse_args(argv)
     shape_from_args(args)   # refuses a shape the model cannot have

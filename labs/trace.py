@@ -10,7 +10,8 @@ Launch lines (from the repository root):
 
 --json prints {ranks: {rank: {rank, kind (cuda or cpu), steps, window_s, compute_s,
 communication_s, exposed_communication_s, overlap_fraction, idle_s,
-not_computing_fraction, collectives {kind: count}, file}}}.
+not_computing_fraction, bubble_fraction (a pipeline stage's, else null), collectives
+{kind: count}, file}}}.
 """
 
 import argparse

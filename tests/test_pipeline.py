@@ -3,8 +3,9 @@ trained on the whole batch; the bubble, the micro-batches in flight and the byte
 against the cost models. The chapter runs p = 2 and 4 under controlled time and asserts
 the same (pipeline.md, hidden cells: every schedule at p = 4, m = 1, 2, 4 and 8, and
 GPipe and 1F1B at p = 2, m = 1 to 8, and the deadlock's one line per stage); here p = 1
-and 3, the loss-scale pitfall and bad input."""
+and 3, the loss-scale pitfall, the traces of --profile, and bad input."""
 
+from pathlib import Path
 
 import pytest
 
@@ -23,15 +24,18 @@ TIMED = ["--compute-ms", COMPUTE_MS]
 # one process times the real computation, the others run under controlled time
 RUNS = {1: ("1,4", []),
         3: ("1,3,5", [*TIMED, "--microbatch-size", "2"])}   # odd p; m that 16 does not divide
+PROFILED = 3   # the launch that also writes traces of its first m (--profile)
 
 
 @pytest.fixture(scope="module", params=sorted(RUNS))
-def result(request):
+def result(request, tmp_path_factory):
     p = request.param
     microbatches, options = RUNS[p]
     schedules = ",".join(pipeline.SCHEDULES + ("no_loss_scale",))
     if p == 1:
         schedules = schedules.replace("torch_interleaved,", "")
+    if p == PROFILED:
+        options = [*options, "--profile", tmp_path_factory.mktemp("pipeline-profile")]
     return run_lab("pipeline", None if p == 1 else p, [
         "--schedule", schedules, "--microbatches", microbatches, *options], echo=False)
 
@@ -50,7 +54,7 @@ def test_the_result_says_where_it_came_from(result):
               "predicted_peak_microbatches_in_flight", "p2p_bytes_per_rank",
               "predicted_p2p_bytes_per_rank", "ops_over_compute_ms", "handoff_latency_s",
               "handoff_latency_range_s", "predicted_bubble_fraction_with_handoff",
-              "predicted_bubble_fraction_with_handoff_range"}
+              "predicted_bubble_fraction_with_handoff_range", "profile"}
     for entry in result["sweep"]:
         for name, r in entry["schedules"].items():
             assert set(r) == fields, name
@@ -82,6 +86,32 @@ def test_torch_schedules_run_where_torch_allows_them(result):
 
 
 @ALONE
+@ALONE
+def test_each_stage_s_trace_holds_its_sends_and_receives(result):
+    """--profile: the traces of each schedule's two profiled steps at m = 1 (read by
+    labkit.predict.trace_reader): each of a rank's virtual stages k of V sends its
+    activation on unless it is the last and its input's gradient back unless it is the
+    first, and receives as many (the first and last stage once a step, the middle one
+    twice, without interleaving); and each rank has a bubble fraction, the share of its
+    window it spent not computing."""
+    if result["pp"] != PROFILED:
+        pytest.skip("only the launch of p = 3 profiles")
+    from labkit.predict import trace_reader
+    first = result["sweep"][0]
+    assert first["microbatches"] == 1
+    for name, r in first["schedules"].items():
+        traces = sorted(Path(r["profile"]).parent.glob(f"{name}-m1-p3-rank*.json"))
+        ranks = trace_reader.analyze_all([(p.name, trace_reader.load_file(p))
+                                          for p in traces])["ranks"]
+        assert list(ranks) == [0, 1, 2], name
+        v = pipeline.chunks_of(name, pipeline.parse_args([]))
+        for rank, t in ranks.items():
+            stages = [chunk * 3 + rank for chunk in range(v)]
+            per_step = sum((k < 3 * v - 1) + (k > 0) for k in stages)
+            assert t["collectives"] == {"recv": 2 * per_step, "send": 2 * per_step}, (name, rank)
+            assert 0 < t["bubble_fraction"] < 1
+
+
 def test_in_flight_and_bytes_equal_the_prediction_exactly(result):
     p = result["pp"]
     for entry in result["sweep"]:

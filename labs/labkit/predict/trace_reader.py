@@ -23,9 +23,11 @@ annotations, the window every figure is measured in):
 
 Per rank (analyze): compute_s and communication_s, each the union of its intervals;
 exposed_communication_s, communication no computation overlaps; overlap_fraction,
-1 - exposed / communication; idle_s, neither computing nor communicating; not_computing
-_fraction, the share of the window spent not computing (a pipeline stage's bubble and
-exposed transfers); and collectives, a count by kind.
+1 - exposed / communication; idle_s, neither computing nor communicating;
+not_computing_fraction, the share of the window spent not computing; collectives, a count
+by kind; and bubble_fraction, for a pipeline stage (a trace whose collectives are sends
+and receives), that same share: the schedule's bubble and the transfers no computation
+hid, which the pipeline lab measures as a stage's idle share.
 """
 
 import json
@@ -41,6 +43,7 @@ KINDS = (("allreduce", "all_reduce"), ("all_reduce", "all_reduce"),
          ("broadcast", "broadcast"), ("sendrecv", "send_recv"), ("send", "send"),
          ("recv", "recv"), ("barrier", "barrier"), ("reduce", "reduce"),
          ("gather", "gather"), ("scatter", "scatter"))
+POINT_TO_POINT = {"send", "recv", "send_recv"}
 # c10d operators on the model's thread that only hand work to the backend, or wait on it
 HANDOFF = re.compile(r"^c10d::|^record_param_comms$|wait", re.IGNORECASE)
 
@@ -187,6 +190,7 @@ def analyze(trace, name="trace"):
     for e in comm:
         kind_of = collective_kind(str(e["name"]))
         counts[kind_of] = counts.get(kind_of, 0) + 1
+    not_computing = 1 - length(compute_time) / window_us if window_us else None
     info = trace.get("distributedInfo") or {}
     return {"rank": info.get("rank", 0), "kind": kind, "steps": len(steps),
             "window_s": window_us / 1e6, "compute_s": length(compute_time) / 1e6,
@@ -194,7 +198,9 @@ def analyze(trace, name="trace"):
             "exposed_communication_s": length(exposed) / 1e6,
             "overlap_fraction": (1 - length(exposed) / communication) if communication else None,
             "idle_s": (window_us - length(busy)) / 1e6,
-            "not_computing_fraction": 1 - length(compute_time) / window_us if window_us else None,
+            "not_computing_fraction": not_computing,
+            "bubble_fraction": not_computing if counts and set(counts) <= POINT_TO_POINT
+            else None,
             "collectives": dict(sorted(counts.items()))}
 
 
