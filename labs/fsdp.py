@@ -42,7 +42,7 @@ predicted_comm_bytes_per_rank {ddp, zero3}; memory_timeline {ddp, zero3: {events
 unit, point, param_bytes, grad_bytes}], peak_bytes, predicted_events, predicted_peak_bytes}};
 state_bytes_per_rank and predicted_state_bytes_per_rank {ddp, zero3: {params, grads,
 optimizer, total}}; param_count, padded_param_count, unit_param_counts, unit_padded_counts;
-profile (rank 0's trace of torch's FSDP2 with --profile, else null);
+profile (rank 0's trace of torch's FSDP2 with --profile, in the whole world, else null);
 with --checkpoint-dir, checkpoint: what `checkpoint.py save` reports (its step,
 checkpoint_bytes, full_export_bytes, param_count); `sub_worlds`, a result like this one
 (without the checkpoint, with its `world_size`) for each --sub-worlds size, largest first.
@@ -310,7 +310,9 @@ def run(args, env):
         "unit_padded_counts": unit_padded,
         "profile": None,
     }
-    if args.profile:   # torch's FSDP2: extra steps on the last batch, after the comparison
+    # torch's FSDP2: extra steps on the last batch, after the comparison; the launch's
+    # whole world only, not its --sub-worlds
+    if args.profile and n == torch.distributed.get_world_size():
         result["profile"] = str(profiling.profile_steps(
             args.profile, f"fsdp2-n{n}", env.device, lambda: fsdp2.train_step(ids, targets)))
     return result
