@@ -276,6 +276,10 @@ def run_one(name, shape, m, args, env, expected, handoffs, profile=False):
 BUBBLE_MARGIN = 0.03
 
 
+# How long a stage that gave up on a deadlock stays before exiting (see main)
+DEADLOCK_GRACE_S = 1.0
+
+
 def bubble_bounds(result):
     """(lowest, highest) bubble a schedule's `result` may measure: the prediction with
     the handoff at the launch's smallest handoff sample, and at its largest plus the
@@ -410,7 +414,13 @@ def main():
         try:
             env.write_result(args, run(args, env))
         except TimeoutError as error:
-            distenv.fail(str(error), every_rank=True)   # each stage says what it waited for
+            # each stage says what it waited for; the first to give up stays a moment
+            # before exiting, since torchrun stops every rank once one exits, and a peer
+            # whose wait began a little later (a busy machine) must reach its own timeout
+            try:
+                distenv.fail(str(error), every_rank=True)
+            finally:
+                time.sleep(DEADLOCK_GRACE_S)
 
 
 if __name__ == "__main__":
