@@ -87,6 +87,7 @@ def test_torch_schedules_run_where_torch_allows_them(result):
 
 @ALONE
 @ALONE
+@pytest.mark.parametrize("result", [PROFILED], indirect=True)
 def test_each_stage_s_trace_holds_its_sends_and_receives(result):
     """--profile: the traces of each schedule's two profiled steps at m = 1 (read by
     labkit.predict.trace_reader): each of a rank's virtual stages k of V sends its
@@ -94,8 +95,6 @@ def test_each_stage_s_trace_holds_its_sends_and_receives(result):
     first, and receives as many (the first and last stage once a step, the middle one
     twice, without interleaving); and each rank has a bubble fraction, the share of its
     window it spent not computing."""
-    if result["pp"] != PROFILED:
-        pytest.skip("only the launch of p = 3 profiles")
     from labkit.predict import trace_reader
     first = result["sweep"][0]
     assert first["microbatches"] == 1
