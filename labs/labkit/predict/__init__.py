@@ -7,8 +7,11 @@ the chapters, the tests and the sizing page.
   time_model     time: efficiency, Amdahl, DDP's buckets, step time, a layer's FLOPs
   failure_model  failures at scale: how often a job fails, what checkpoints cost, goodput
   hang_model     where each rank of a job out of step waits, and for how long
-  precision_model  number formats: their range, the error of rounding to them and of an
-                 FP8 matrix product, the outlier a scale absorbs
+  precision_model  number formats: their range, the error of rounding to them, of an FP8
+                 matrix product and of a sum in bf16, the outlier a scale absorbs; what
+                 FP8 changes in a step (the planner's precision)
+  trace_reader   a torch.profiler trace read per rank: compute, communication, what no
+                 computation hid, idle time, collectives (labs/trace.py is its command line)
   hardware       the GPU node the book's extrapolations assume, with its sources
   planner        the planner of five dimensions (labs/plan.py is its command line)
   sizing         the sizing page's entry point: a form's fields in, the planner's answer out
