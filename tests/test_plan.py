@@ -336,8 +336,9 @@ def test_the_end_stages_give_up_layers_and_schedules_must_be_able_to_run(capsys)
     llama405 = planner.PRESETS["llama3-405b"]
     assert planner.stage_split(llama405, 16) == (7,) + (8,) * 14 + (7,)
     even = tuple(memory_model.stage_layers(126, 16))
-    flops = {cut: max(planner.stage_flops(llama405, cut)) for cut in (even, (7,) + (8,) * 14 + (7,))}
-    assert flops[(7,) + (8,) * 14 + (7,)] < flops[even]
+    llama3_cut = (7,) + (8,) * 14 + (7,)
+    flops = {cut: max(planner.stage_flops(llama405, cut)) for cut in (even, llama3_cut)}
+    assert flops[llama3_cut] < flops[even]
     assert all(count % 2 == 0 for count in planner.stage_split(llama405, 16, 2))
     assert planner.stage_split(planner.Model(10, 256, 4, 128, 1000), 2, 4) is None
     hw, settings = planner.Hardware(16384), planner.Settings(global_batch_tokens=16 * 2 ** 20)
@@ -353,15 +354,20 @@ def test_the_end_stages_give_up_layers_and_schedules_must_be_able_to_run(capsys)
     assert sum(mine["stage_layers"]) == 126
 
 
+def deepseek_v3_as_published():
+    """DeepSeek-V3 on 2,048 H800s as its report ran it (§3.2, §4.2): (model, hardware,
+    settings, layout without DualPipe)."""
+    return (planner.PRESETS["deepseek-v3"], planner.Hardware(gpus=2048, nvlink_gb_s=160),
+            planner.Settings(global_batch_tokens=15360 * 4096),
+            dict(dp=128, tp=1, pp=16, cp=1, ep=64, chunks=1, micro_batch=1,
+                 microbatches=120, zero="zero1", recompute="full"))
+
+
 def test_dualpipe_halves_the_bubble_and_hides_the_all_to_alls():
     """DeepSeek-V3's Table 2: DualPipe idles (pp/2 - 1)(F&B + B - 3W) per micro-batch
     against 1F1B's (pp - 1)(F + B), 2/3 (pp/2 - 1) against pp - 1 of a micro-batch's work
     with W = B/2; and it runs one micro-batch's all-to-alls beside another's compute."""
-    model = planner.PRESETS["deepseek-v3"]
-    hw = planner.Hardware(gpus=2048, nvlink_gb_s=160)
-    settings = planner.Settings(global_batch_tokens=15360 * 4096)
-    base = dict(dp=128, tp=1, pp=16, cp=1, ep=64, chunks=1, micro_batch=1,
-                microbatches=120, zero="zero1", recompute="full")
+    model, hw, settings, base = deepseek_v3_as_published()
     one = planner.step_time(model, base, settings, hw)
     two = planner.step_time(model, {**base, "dualpipe": 1}, settings, hw)
     work = one["compute"] + one["recompute"]
@@ -524,21 +530,18 @@ def test_when_communication_binds_by_hand():
 
 
 def test_dualpipe_holds_two_stages_per_rank():
-    model = planner.PRESETS["deepseek-v3"]
-    hw = planner.Hardware(gpus=2048, nvlink_gb_s=160)
-    settings = planner.Settings(global_batch_tokens=15360 * 4096)
-    layout = dict(dp=128, tp=1, pp=16, cp=1, ep=64, chunks=1, micro_batch=1,
-                  microbatches=120, zero="zero1", recompute="full")
+    model, hw, settings, layout = deepseek_v3_as_published()
     one = planner.memory(model, layout, settings, hw)
     two = planner.memory(model, {**layout, "dualpipe": 1}, settings, hw)
     # stage r sits on ranks r and 15 - r of every pipeline: 2 x 128 replicas of it
-    footprints = planner.stage_footprints(model, planner.stage_split(model, 16), 1, 64, 256, "zero1", "full", True)
+    cut = planner.stage_split(model, 16)
+    footprints = planner.stage_footprints(model, cut, 1, 64, 256, "zero1", "full", True)
     r = two["stage"]
     assert two["stages"] == (r, 15 - r)
     # each of its two stages with its own weights and gradients, and ZeRO-1 state sharded
     # over both copies' replicas (as memory_model.moe_bytes_per_gpu(param_copies=2))
     assert two["states"] == footprints[r][0]["total"] + footprints[15 - r][0]["total"]
-    one_copy = planner.stage_footprints(model, planner.stage_split(model, 16), 1, 64, 128, "zero1", "full", True)
+    one_copy = planner.stage_footprints(model, cut, 1, 64, 128, "zero1", "full", True)
     for stage in (r, 15 - r):
         for part in ("params", "grads"):     # unsharded by ZeRO-1: as many as one copy's
             assert footprints[stage][0][part] == one_copy[stage][0][part]
