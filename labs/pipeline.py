@@ -272,8 +272,11 @@ def run_one(name, shape, m, args, env, expected, handoffs, profile=False):
 
 # How far the measured bubble may lie from the prediction with the handoff, beyond the range
 # this launch's own handoff samples give: the ops are timed on each rank's own clock, and
-# one late wake-up on the critical path moves a short step by about this much.
-BUBBLE_MARGIN = 0.03
+# late wake-ups on the critical path move a short step by about this much. The handoff
+# samples average a round's hops, so one hop can outlast the largest of them: at 0.03 a
+# 3-stage GPipe step at m = 3 measured 0.004 above its bound, on two cores shared with
+# another 3-rank launch.
+BUBBLE_MARGIN = 0.05
 
 
 # How long a stage that gave up on a deadlock stays before exiting (see main)
