@@ -141,9 +141,11 @@ def collective_kind(name):
     return "other"
 
 
-def analyze(trace, name="trace"):
-    """{rank, kind, steps, window_s, compute_s, communication_s, exposed_communication_s,
-    overlap_fraction, idle_s, not_computing_fraction, collectives} of one rank's trace."""
+def classify(trace, name="trace"):
+    """{kind, steps, window, compute, communication, collectives} of one rank's trace: the
+    profiled steps' window and the merged [start, end] intervals (microseconds) in it that
+    computed and that communicated, with the communication events' names; TraceError
+    where it holds no profiled step."""
     events = [e for e in trace["traceEvents"] if isinstance(e, dict) and e.get("ph") == "X"
               and isinstance(e.get("ts"), (int, float)) and isinstance(e.get("dur"), (int, float))]
     steps = [e for e in events if STEP.match(str(e.get("name", "")))]
@@ -180,19 +182,29 @@ def analyze(trace, name="trace"):
         compute = [e for e in events if e.get("cat") == "cpu_op"
                    and (e.get("pid"), e.get("tid")) in model_threads
                    and not HANDOFF.search(str(e.get("name", "")))]
-    comm_time = intersect(union([e["ts"], e["ts"] + e["dur"]] for e in comm), window)
-    compute_time = intersect(union([e["ts"], e["ts"] + e["dur"]] for e in compute), window)
+    return {"kind": kind, "steps": len(steps), "window": window,
+            "compute": intersect(union([e["ts"], e["ts"] + e["dur"]] for e in compute), window),
+            "communication": intersect(union([e["ts"], e["ts"] + e["dur"]] for e in comm),
+                                       window),
+            "collectives": [str(e["name"]) for e in comm]}
+
+
+def analyze(trace, name="trace"):
+    """{rank, kind, steps, window_s, compute_s, communication_s, exposed_communication_s,
+    overlap_fraction, idle_s, not_computing_fraction, collectives} of one rank's trace."""
+    parts = classify(trace, name)
+    window, comm_time, compute_time = parts["window"], parts["communication"], parts["compute"]
     exposed = subtract(comm_time, compute_time)
     busy = union(comm_time + compute_time)
     window_us = length(window)
     communication = length(comm_time)
     counts = {}
-    for e in comm:
-        kind_of = collective_kind(str(e["name"]))
+    for collective in parts["collectives"]:
+        kind_of = collective_kind(collective)
         counts[kind_of] = counts.get(kind_of, 0) + 1
     not_computing = 1 - length(compute_time) / window_us if window_us else None
     info = trace.get("distributedInfo") or {}
-    return {"rank": info.get("rank", 0), "kind": kind, "steps": len(steps),
+    return {"rank": info.get("rank", 0), "kind": parts["kind"], "steps": parts["steps"],
             "window_s": window_us / 1e6, "compute_s": length(compute_time) / 1e6,
             "communication_s": communication / 1e6,
             "exposed_communication_s": length(exposed) / 1e6,
@@ -202,6 +214,26 @@ def analyze(trace, name="trace"):
             "bubble_fraction": not_computing if counts and set(counts) <= POINT_TO_POINT
             else None,
             "collectives": dict(sorted(counts.items()))}
+
+
+def memory_timeline(trace, device="cpu"):
+    """[(seconds since the profiled steps began, bytes allocated)] on `device` (cpu or cuda):
+    torch.profiler's "[memory]" events (recorded with profile_memory=True), one per
+    allocation and free, inside the profiled steps. Their "Total Allocated" counts what
+    was allocated since profiling began, net of frees, so it starts near zero: what a step
+    allocates and frees, not what it held before."""
+    device_type = {"cpu": 0, "cuda": 1}[device]
+    steps = [e for e in trace["traceEvents"] if isinstance(e, dict) and e.get("ph") == "X"
+             and STEP.match(str(e.get("name", "")))]
+    if not steps:
+        raise TraceError("no profiled steps (no ProfilerStep#n annotation)")
+    start = min(e["ts"] for e in steps)
+    end = max(e["ts"] + e["dur"] for e in steps)
+    return [((e["ts"] - start) / 1e6, e["args"]["Total Allocated"])
+            for e in trace["traceEvents"]
+            if isinstance(e, dict) and e.get("name") == "[memory]"
+            and isinstance(e.get("args"), dict) and e["args"].get("Device Type") == device_type
+            and "Total Allocated" in e["args"] and start <= e.get("ts", -1) <= end]
 
 
 def analyze_all(named_traces):

@@ -32,7 +32,11 @@ def profile_steps(directory, name, device, step, steps=PROFILED_STEPS):
         activities.append(ProfilerActivity.CUDA)
     path = Path(directory) / f"{name}-rank{dist.get_rank()}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=steps),
+    # one cycle (repeat=1): the warm-up, then the kept steps; profile_memory adds every
+    # allocation and free, for trace_reader.memory_timeline
+    with profile(activities=activities,
+                 schedule=schedule(wait=0, warmup=1, active=steps, repeat=1),
+                 profile_memory=True,
                  on_trace_ready=lambda prof: prof.export_chrome_trace(str(path))) as prof:
         for _ in range(1 + steps):
             step()
