@@ -93,3 +93,43 @@ def test_bad_input_is_one_line(script, tmp_path, content, words):
     path.write_text(content)
     assert_fails_with_one_line(script("trace", "analyze", path), words)
 
+
+
+def test_memory_over_a_step_is_the_allocator_s_running_total_inside_the_steps():
+    """torch.profiler's "[memory]" instant events, with profile_memory=True: the CPU's
+    (Device Type 0) inside the profiled steps, in time order from the steps' start."""
+    def memory(ts, total, device=0):
+        return {"ph": "i", "name": "[memory]", "pid": 1, "tid": 1, "ts": ts,
+                "args": {"Total Allocated": total, "Bytes": 1, "Device Type": device}}
+    events = [complete("ProfilerStep#1", 100, 900, cat="user_annotation"),
+              memory(50, 7), memory(200, 4096), memory(300, 1024), memory(400, 9, device=1),
+              memory(1200, 0)]
+    assert tr.memory_timeline({"traceEvents": events}) == [(100e-6, 4096), (200e-6, 1024)]
+    assert tr.memory_timeline({"traceEvents": events}, "cuda") == [(300e-6, 9)]
+    with pytest.raises(tr.TraceError, match="no profiled steps"):
+        tr.memory_timeline({"traceEvents": events[1:]})
+
+
+def test_the_trace_page_gives_each_rank_per_step_and_the_planner_beside_it():
+    """labkit.predict.trace_page, the page's entry point: the reader's figures over the
+    steps, and the planner's step for the run's fields, whose parts add up to it."""
+    from labkit.predict import sizing, trace_page
+    two_steps = cuda_trace()
+    two_steps["traceEvents"].append(complete("ProfilerStep#4", 1000, 1000,
+                                             cat="user_annotation"))
+    text = json.dumps(two_steps)
+    reply = trace_page.answer([("rank0.json", text)], {})
+    rank = reply["ranks"][0]
+    whole = tr.analyze(two_steps)
+    assert reply["prediction"] is None and rank["steps"] == whole["steps"] == 2
+    assert rank["step_s"] == pytest.approx(whole["window_s"] / 2)
+    assert rank["exposed_communication_s"] == pytest.approx(whole["exposed_communication_s"] / 2)
+    assert rank["collectives_per_step"] == {"all_gather": 0.5, "all_reduce": 0.5}
+    fields = {"model": "llama3-70b", "gpus": "64", "global_batch_tokens": "1M",
+              "layout": "tp=8,pp=2,dp=4"}
+    predicted = trace_page.answer([("rank0.json", text)], fields)["prediction"]
+    assert predicted["named"] and predicted["layout"]["tp"] == 8
+    assert predicted["step_s"] == pytest.approx(predicted["compute_s"] + predicted["bubble_s"]
+                                                + predicted["exposed_communication_s"])
+    with pytest.raises(sizing.SizingError, match="has no prediction"):
+        trace_page.answer([("rank0.json", text)], {**fields, "layout": "tp=8,pp=1,dp=1"})

@@ -20,13 +20,19 @@ def plain(latex):
     return Text.from_latex(latex).render_as("text")
 
 
+def suffix(index):
+    """a, b, ..., z, then aa, ab, ...: one author's 27th entry of a year still gets a label."""
+    letters = string.ascii_lowercase
+    return letters[index] if index < 26 else suffix(index // 26 - 1) + letters[index % 26]
+
+
 class AuthorYearLabels(BaseLabelStyle):
     def format_labels(self, sorted_entries):
         labels = [self.format_label(entry) for entry in sorted_entries]
         repeated, seen = Counter(labels), Counter()
         for label in labels:
             if repeated[label] > 1:
-                yield label + string.ascii_lowercase[seen[label]]
+                yield label + suffix(seen[label])
                 seen[label] += 1
             else:
                 yield label

@@ -11,7 +11,10 @@ the chapters, the tests and the sizing page.
                  matrix product and of a sum in bf16, the outlier a scale absorbs; what
                  FP8 changes in a step (the planner's precision)
   trace_reader   a torch.profiler trace read per rank: compute, communication, what no
-                 computation hid, idle time, collectives (labs/trace.py is its command line)
+                 computation hid, idle time, collectives, memory over a step
+                 (labs/trace.py is its command line)
+  trace_page     the trace page's entry point: the reader's traces per step, the planner's
+                 step beside them
   hardware       the GPU node the book's extrapolations assume, with its sources
   planner        the planner of five dimensions (labs/plan.py is its command line)
   sizing         the sizing page's entry point: a form's fields in, the planner's answer out

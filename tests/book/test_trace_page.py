@@ -1,0 +1,142 @@
+"""The trace page (book/your_trace.md) in a real browser, as the sizing page's test runs it
+(Debian's Chromium through its chromedriver, the built site on a free local port, a local
+Pyodide): it is handed the traces a two-rank launch of the scaling lab wrote and must show
+what labs/trace.py computes from them, the planner's step beside them, one line for a file
+that is not a trace, and stay responsive while it reads a large one in its worker."""
+
+import json
+import time
+
+import pytest
+
+from test_sizing_page import HTML, Site, browser, site   # noqa: F401 (fixtures), skips alike
+from labkit.predict import trace_page, trace_reader
+from labkit.runtime.launch import run_lab
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import Select, WebDriverWait
+
+PAGE = "your_trace.html"
+
+
+@pytest.fixture(scope="module")
+def lab_traces(tmp_path_factory):
+    """The two traces, one per rank, of DDP's profiled steps on two ranks."""
+    folder = tmp_path_factory.mktemp("prof")
+    run_lab("scaling", 2, ["--strategy", "ddp", "--steps", 1, "--warmup", 1,
+                           "--profile", folder], echo=False)
+    traces = sorted(folder.glob("ddp-strong-n2-rank*.json"))
+    assert len(traces) == 2
+    return traces
+
+
+def open_page(driver, site, timeout=60):
+    driver.get(site.replace("sizing.html", PAGE))
+    WebDriverWait(driver, timeout).until(
+        lambda d: d.find_element(By.ID, "trace-files").is_enabled()
+        or d.find_element(By.ID, "trace-error").is_displayed())
+    error = driver.find_element(By.ID, "trace-error")
+    assert not error.is_displayed(), error.text
+
+
+def hand_over(driver, paths, timeout=120):
+    """Give the page the files; wait for its answer; the result's state (done or error)."""
+    results = driver.find_element(By.ID, "trace-results")
+    driver.execute_script("arguments[0].dataset.state = ''", results)
+    driver.find_element(By.ID, "trace-files").send_keys("\n".join(str(p) for p in paths))
+    WebDriverWait(driver, timeout).until(
+        lambda d: results.get_attribute("data-state") in ("done", "error"))
+    return results.get_attribute("data-state")
+
+
+def rows(driver, index):
+    tables = driver.find_elements(By.CSS_SELECTOR, "#trace-results table")
+    return [[cell.text for cell in row.find_elements(By.TAG_NAME, "td")]
+            for row in tables[index].find_elements(By.CSS_SELECTOR, "tbody tr")]
+
+
+def ms(seconds):
+    return f"{1e3 * seconds:,.1f} ms"
+
+
+def test_the_lab_s_traces_read_as_the_command_line_reads_them(site, browser, lab_traces):
+    open_page(browser, site)
+    assert hand_over(browser, lab_traces) == "done"
+    expected = trace_page.answer([(p.name, p.read_text()) for p in lab_traces], {})["ranks"]
+    shown = rows(browser, 0)
+    assert [row[0] for row in shown] == ["0", "1"]
+    for row, rank in zip(shown, expected):
+        assert row[1:4] == ["cpu", "2", ms(rank["step_s"])]
+        assert row[6] == ms(rank["exposed_communication_s"])
+        assert row[-1] == "all_reduce 2, broadcast 1"   # the buckets and the buffers, a step
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#trace-results table")) == 1
+    assert "Traceback" not in browser.page_source
+
+
+def test_the_planner_s_step_stands_beside_the_trace(site, browser, lab_traces):
+    open_page(browser, site)
+    fields = {"model": "llama3-8b", "gpus": "8", "global_batch_tokens": "1M",
+              "layout": "tp=1,pp=1,dp=8"}
+    Select(browser.find_element(By.NAME, "model")).select_by_value(fields["model"])
+    for name in ("gpus", "global_batch_tokens", "layout"):
+        element = browser.find_element(By.NAME, name)
+        element.clear()
+        element.send_keys(fields[name])
+    assert hand_over(browser, lab_traces) == "done"
+    predicted = trace_page.prediction(fields)
+    shown = dict((row[0], row[1:]) for row in rows(browser, 1))
+    assert shown["step"][1] == ms(predicted["step_s"])
+    assert shown["computing"][1] == ms(predicted["compute_s"])
+    assert predicted["command"] in browser.find_element(By.ID, "trace-results").text
+
+
+def test_a_file_that_is_not_a_trace_is_one_line(site, browser, tmp_path):
+    open_page(browser, site)
+    not_json = tmp_path / "notes.json"
+    not_json.write_text("rank 0 was slow\n")
+    assert hand_over(browser, [not_json]) == "error"
+    error = browser.find_element(By.ID, "trace-error").text
+    assert error == ("notes.json: not a trace (not JSON; torch.profiler's export_chrome_trace "
+                     "writes JSON)")
+    other = tmp_path / "metrics.json"
+    other.write_text(json.dumps({"loss": [2.3, 2.1]}))
+    assert hand_over(browser, [other]) == "error"
+    assert browser.find_element(By.ID, "trace-error").text.startswith(
+        "metrics.json: a trace of another format")
+
+
+def large_trace(path, events):
+    """A CPU trace of two profiled steps with `events` operators and gloo collectives."""
+    step_us = events * 10
+    records = [{"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{i}",
+                "ts": i * step_us, "dur": step_us, "pid": 1, "tid": 1} for i in (1, 2)]
+    filler = {"Input Dims": [[4096, 4096], [4096, 4096]], "Input type": ["float", "float"],
+              "Concrete Inputs": ["", ""], "External id": 0, "Record function id": 0}
+    for i in range(events):
+        on_gloo = i % 10 == 0
+        records.append({"ph": "X", "cat": "user_annotation" if on_gloo else "cpu_op",
+                        "name": "gloo:all_reduce" if on_gloo else "aten::mm",
+                        "ts": step_us + i * 10, "dur": 8, "pid": 1, "tid": 2 if on_gloo else 1,
+                        "args": filler})
+    path.write_text(json.dumps({"traceEvents": records, "distributedInfo": {"rank": 0}}))
+    return path
+
+
+def test_a_large_trace_leaves_the_page_responsive(site, browser, tmp_path):
+    trace = large_trace(tmp_path / "large-rank0.json", 150_000)
+    size_mb = trace.stat().st_size / 1e6
+    open_page(browser, site)
+    browser.find_element(By.ID, "trace-files").send_keys(str(trace))
+    results = browser.find_element(By.ID, "trace-results")
+    slowest = 0.0
+    while results.get_attribute("data-state") == "reading":   # the page answers meanwhile
+        start = time.perf_counter()
+        browser.execute_script("return document.getElementById('trace-status').textContent")
+        slowest = max(slowest, time.perf_counter() - start)
+        time.sleep(0.1)
+    WebDriverWait(browser, 120).until(lambda d: results.get_attribute("data-state") == "done")
+    status = browser.find_element(By.ID, "trace-status").text
+    print(f"\ntrace page: {size_mb:.0f} MB read; {status}; the page answered within "
+          f"{slowest * 1e3:.0f} ms throughout")
+    assert slowest < 2.0   # the main thread never blocked on the file
+    expected = trace_reader.analyze(json.loads(trace.read_text()))
+    assert rows(browser, 0)[0][-1] == f"all_reduce {expected['collectives']['all_reduce'] / 2:g}"
