@@ -94,6 +94,15 @@ def test_bad_input_is_one_line(script, tmp_path, content, words):
     assert_fails_with_one_line(script("trace", "analyze", path), words)
 
 
+def test_a_gzipped_trace_reads_as_the_plain_one_and_a_broken_one_is_one_line(tmp_path):
+    import gzip
+    plain = json.dumps(cuda_trace())
+    (tmp_path / "r.json.gz").write_bytes(gzip.compress(plain.encode()))
+    assert tr.analyze(tr.load_file(tmp_path / "r.json.gz")) == tr.analyze(tr.load(plain))
+    (tmp_path / "broken.json.gz").write_bytes(gzip.compress(plain.encode())[:40])
+    with pytest.raises(tr.TraceError, match="a broken .gz file"):
+        tr.load_file(tmp_path / "broken.json.gz")
+
 
 def test_memory_over_a_step_is_the_allocator_s_running_total_inside_the_steps():
     """torch.profiler's "[memory]" instant events, with profile_memory=True: the CPU's
@@ -133,3 +142,23 @@ def test_the_trace_page_gives_each_rank_per_step_and_the_planner_beside_it():
                                                 + predicted["exposed_communication_s"])
     with pytest.raises(sizing.SizingError, match="has no prediction"):
         trace_page.answer([("rank0.json", text)], {**fields, "layout": "tp=8,pp=1,dp=1"})
+
+
+def test_on_cpu_only_aten_s_own_time_computes_and_a_wait_in_a_hook_is_exposed():
+    """On the model's thread, an autograd node [0, 1000] runs a matmul [100, 300] that
+    calls a copy [150, 200], then a hook that hands an all-reduce to gloo [400, 420] and
+    waits for it, recording nothing, until 900; gloo's thread runs it [350, 900]. Only
+    ATen's operators compute, each in its own time: 100-300 (the copy's time is the
+    copy's); the node's own time, the hook and its wait, is not computation."""
+    events = [complete("ProfilerStep#1", 0, 1000, cat="user_annotation"),
+              complete("autograd::engine::evaluate_function: AddmmBackward0", 0, 1000),
+              complete("aten::mm", 100, 200), complete("aten::copy_", 150, 50),
+              complete("c10d::allreduce_", 400, 20),
+              complete("gloo:all_reduce", 350, 550, cat="user_annotation", tid=2)]
+    assert tr.own_time([e for e in events if e["cat"] == "cpu_op"]) == [
+        [100, 150], [150, 200], [200, 300]]
+    r = tr.analyze({"traceEvents": events})
+    assert r["compute_s"] == pytest.approx(200e-6)
+    assert r["exposed_communication_s"] == pytest.approx(550e-6)    # 350-900
+    assert r["overlap_fraction"] == 0.0
+    assert r["idle_s"] == pytest.approx(250e-6)                      # 0-100, 300-350, 900-1000

@@ -41,8 +41,11 @@ def open_page(driver, site, timeout=60):
 def hand_over(driver, paths, timeout=120):
     """Give the page the files; wait for its answer; the result's state (done or error)."""
     results = driver.find_element(By.ID, "trace-results")
-    driver.execute_script("arguments[0].dataset.state = ''", results)
-    driver.find_element(By.ID, "trace-files").send_keys("\n".join(str(p) for p in paths))
+    files = driver.find_element(By.ID, "trace-files")
+    # a file input keeps what it was given before: empty it, and the result's state
+    driver.execute_script("arguments[0].value = ''; arguments[1].dataset.state = ''",
+                          files, results)
+    files.send_keys("\n".join(str(p) for p in paths))
     WebDriverWait(driver, timeout).until(
         lambda d: results.get_attribute("data-state") in ("done", "error"))
     return results.get_attribute("data-state")

@@ -13,13 +13,18 @@ annotations, the window every figure is measured in):
                 HolisticTraceAnalysis classifies them. Kernels named nccl... are
                 communication, the others computation, whatever stream they ran on; the
                 window runs from the first kernel of the profiled steps to the last.
-  CPU traces    (gloo): communication is what gloo's worker threads record, one
-                "gloo:<collective>" annotation per collective from the moment it starts
-                to the moment it completes; computation is every operator ("cpu_op") on
-                the threads that run the model (those holding the step annotations),
-                except the c10d calls that only hand a collective to gloo and the waits
-                on it. A thread blocked waiting for a collective records nothing, so
-                that time shows up as exposed communication, not computation.
+  CPU traces    (gloo): communication is what gloo records: a collective as one
+                "gloo:<collective>" annotation on one of gloo's worker threads, from the
+                moment it starts to the moment it completes; a send or a receive as
+                "gloo:send" or "gloo:recv" on the calling thread, from the isend or irecv
+                until its wait returns (so a send waited for late stays open meanwhile).
+                Computation is the own time of ATen's operators ("aten::...", cat cpu_op)
+                on the threads that run the model (those holding the step annotations):
+                the time each ran itself, not inside an operator it called. The rest of
+                such a thread's time (autograd's nodes, hooks, Python) is bookkeeping, and
+                a hook that waits for a collective (DDP's reducer, FSDP2's gathers and
+                reductions in backward) waits there, recording no operator of its own: that
+                time is exposed communication or idle time, never computation.
 
 Per rank (analyze): compute_s and communication_s, each the union of its intervals;
 exposed_communication_s, communication no computation overlaps; overlap_fraction,
@@ -30,6 +35,7 @@ and receives), that same share: the schedule's bubble and the transfers no compu
 hid, which the pipeline lab measures as a stage's idle share.
 """
 
+import gzip
 import json
 import re
 
@@ -74,8 +80,11 @@ def load_file(path):
             data = f.read()
     except OSError as error:
         raise TraceError(f"{path}: {error.strerror}") from None
-    if data[:2] == b"\x1f\x8b":
-        raise TraceError(f"{path}: a compressed trace (.gz): decompress it first")
+    if data[:2] == b"\x1f\x8b":   # tensorboard_trace_handler(use_gzip=True) writes .json.gz
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError) as error:
+            raise TraceError(f"{path}: a broken .gz file ({error})") from None
     return load(data.decode("utf-8", errors="replace"), str(path))
 
 
@@ -141,6 +150,40 @@ def collective_kind(name):
     return "other"
 
 
+def is_work(name):
+    """Whether a CPU operator computes: ATen's operators do the arithmetic and the copies;
+    the rest on the thread (autograd's nodes, hooks, Python) is bookkeeping around them, and
+    where a hook waits for a collective (DDP's reducer, FSDP2's gathers and reductions in
+    backward), the wait is recorded as that bookkeeping's own time."""
+    return name.startswith("aten::") and not HANDOFF.search(name)
+
+
+def own_time(ops):
+    """[start, end] in which an operator of `ops` (a thread's operators, which nest) that
+    is_work ran itself, not inside another operator it called: an operator's time inside
+    a call it made is the call's."""
+    intervals, stack = [], []   # stack: [start, end, own start, is work] of open operators
+
+    def close(top):
+        if top[3] and top[2] < top[1]:
+            intervals.append([top[2], top[1]])
+
+    for e in sorted(ops, key=lambda e: (e["pid"], e["tid"], e["ts"], -e["dur"])):
+        start, end = e["ts"], e["ts"] + e["dur"]
+        while stack and (stack[-1][4] != (e["pid"], e["tid"]) or stack[-1][1] <= start):
+            close(stack.pop())
+        if stack:   # the parent's own time stops where this call starts, resumes after it
+            parent = stack[-1]
+            if parent[3] and parent[2] < start:
+                intervals.append([parent[2], start])
+            parent[2] = max(parent[2], min(end, parent[1]))
+        stack.append([start, end, start, is_work(str(e.get("name", ""))),
+                      (e["pid"], e["tid"])])
+    while stack:
+        close(stack.pop())
+    return intervals
+
+
 def classify(trace, name="trace"):
     """{kind, steps, window, compute, communication, collectives} of one rank's trace: the
     profiled steps' window and the merged [start, end] intervals (microseconds) in it that
@@ -179,9 +222,13 @@ def classify(trace, name="trace"):
         model_threads = {(e.get("pid"), e.get("tid")) for e in steps}
         comm = [e for e in events if str(e.get("name", "")).startswith("gloo:")
                 and intersect([[e["ts"], e["ts"] + e["dur"]]], window)]
-        compute = [e for e in events if e.get("cat") == "cpu_op"
-                   and (e.get("pid"), e.get("tid")) in model_threads
-                   and not HANDOFF.search(str(e.get("name", "")))]
+        ops = [e for e in events if e.get("cat") == "cpu_op"
+               and (e.get("pid"), e.get("tid")) in model_threads]
+        return {"kind": kind, "steps": len(steps), "window": window,
+                "compute": intersect(union(own_time(ops)), window),
+                "communication": intersect(union([e["ts"], e["ts"] + e["dur"]] for e in comm),
+                                           window),
+                "collectives": [str(e["name"]) for e in comm]}
     return {"kind": kind, "steps": len(steps), "window": window,
             "compute": intersect(union([e["ts"], e["ts"] + e["dur"]] for e in compute), window),
             "communication": intersect(union([e["ts"], e["ts"] + e["dur"]] for e in comm),
