@@ -266,9 +266,10 @@ def analyze(trace, name="trace"):
 def memory_timeline(trace, device="cpu"):
     """[(seconds since the profiled steps began, bytes allocated)] on `device` (cpu or cuda):
     torch.profiler's "[memory]" events (recorded with profile_memory=True), one per
-    allocation and free, inside the profiled steps. Their "Total Allocated" counts what
-    was allocated since profiling began, net of frees, so it starts near zero: what a step
-    allocates and frees, not what it held before."""
+    allocation and free, inside the profiled steps. Their "Total Allocated" is a running
+    total the allocator keeps only while memory profiling is on, net of frees: in a
+    process's first profile it starts near zero and shows what the steps allocate and
+    free, not what the process held before (a later profile starts where it left off)."""
     device_type = {"cpu": 0, "cuda": 1}[device]
     steps = [e for e in trace["traceEvents"] if isinstance(e, dict) and e.get("ph") == "X"
              and STEP.match(str(e.get("name", "")))]
