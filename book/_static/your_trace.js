@@ -103,7 +103,8 @@
       } else if (m.type === "progress") {
         status(m.text);
       } else if (m.type === "failed") {
-        status("Ready.");
+        status(ready ? "Ready." : "Python could not be loaded here: `python labs/trace.py " +
+               "analyze` reads the same traces from the command line.");
         showError(m.text);
         $("trace-results").dataset.state = "error";
       } else if (m.type === "result") {

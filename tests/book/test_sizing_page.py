@@ -119,9 +119,16 @@ def table_rows(driver, table_id):
             for row in table.find_elements(By.CSS_SELECTOR, "tbody tr")]
 
 
-def test_the_page_answers_first_within_the_goal(site, browser):
+@pytest.fixture(scope="module")
+def page(site, browser):
+    """The page, loaded once for this file's tests (loading Pyodide is most of a test's
+    time): the seconds from its load to its first answer."""
     browser.get(site)
-    first = ready(browser)
+    return ready(browser)
+
+
+def test_the_page_answers_first_within_the_goal(page, browser):
+    first = page
     print(f"\nsizing page: first answer {first:.2f} s after load (local Pyodide {VERSION})")
     assert "Traceback" not in browser.page_source
     assert first < 60   # loaded at all; the goal is reported, a busy machine may miss it
@@ -129,11 +136,9 @@ def test_the_page_answers_first_within_the_goal(site, browser):
         print(f"sizing page: above the {FIRST_RESULT_GOAL_S:g} s goal on this machine")
 
 
-def test_the_zero_papers_example(site, browser):
+def test_the_zero_papers_example(page, browser):
     """Rajbhandari et al.'s 7.5B parameters on 64 GPUs with Adam in mixed precision:
     120, 31.4, 16.6 and 1.9 GB of model states per GPU."""
-    browser.get(site)
-    ready(browser)
     fill(browser, model="params", params="7.5B", gpus="64", precision="mixed",
          optimizer="adam")
     rows = table_rows(browser, "sizing-memory")
@@ -141,10 +146,8 @@ def test_the_zero_papers_example(site, browser):
                                                  "ZeRO-2": "16.6", "ZeRO-3": "1.9"}
 
 
-def test_the_planner_agrees_with_the_command_line(site, browser, capsys):
+def test_the_planner_agrees_with_the_command_line(page, browser, capsys):
     import plan   # labs/ is on the path (tests/conftest.py)
-    browser.get(site)
-    ready(browser)
     fill(browser, model="llama3-70b", gpus="256", global_batch_tokens="4M", layout="")
     first_row = table_rows(browser, "sizing-best")[0]
     plan.main(["--model", "llama3-70b", "--gpus", "256", "--global-batch-tokens", "4M",
@@ -158,9 +161,7 @@ def test_the_planner_agrees_with_the_command_line(site, browser, capsys):
     assert first_row[5] == f"{best['time_s']['step']:.2f}"
 
 
-def test_bad_input_is_one_line_in_the_form(site, browser):
-    browser.get(site)
-    ready(browser)
+def test_bad_input_is_one_line_in_the_form(page, browser):
     fill(browser, gpus="many")
     error = browser.find_element(By.ID, "sizing-error")
     WebDriverWait(browser, 10).until(lambda d: error.is_displayed())
