@@ -133,13 +133,16 @@ def fit_link(env, repeats, group=None):
         return None, None, str(error)
 
 
-def predicted_comm(plan, world_size, alpha, beta):
-    """Alpha-beta seconds of each collective in `plan` (None when no link was fitted)."""
+def predicted_comm(plan, world_size, alpha, beta, backend="nccl"):
+    """Alpha-beta seconds of each collective in `plan` (None when no link was fitted). gloo
+    has no reduce-scatter of its own: torch's gloo backend all-reduces the whole buffer and
+    keeps the rank's part, so there a reduce-scatter is priced as that all-reduce."""
     if world_size == 1:
         return [0.0] * len(plan)
     if alpha is None:
         return None
-    return [comm_model.allreduce_time(b, world_size, alpha, beta) if op == "all_reduce" else
+    as_all_reduce = {"all_reduce"} | ({"reduce_scatter"} if backend == "gloo" else set())
+    return [comm_model.allreduce_time(b, world_size, alpha, beta) if op in as_all_reduce else
             time_model.shard_collective_time(b, world_size, alpha, beta) for op, b in plan]
 
 
@@ -178,7 +181,7 @@ def measure(strategy, scaling, args, env, link, group=None):
 
     # 3. the model
     overlap = strategy == "ddp" and env.device.type == "cuda"
-    comm_each = predicted_comm(plan, n, *link[:2])
+    comm_each = predicted_comm(plan, n, *link[:2], env.backend)
     predicted = None if comm_each is None else time_model.step_time(
         compute["forward_s"], compute["backward_s"], [b for _, b in plan], comm_each, overlap,
         compute["optimizer_s"])

@@ -26,7 +26,10 @@ def rebuilt_prediction(run, result):
         comm = [0.0] * len(plan)
     else:
         a, b = result["alpha_s"], result["beta_bytes_per_s"]
-        comm = [comm_model.allreduce_time(c["bytes"], n, a, b) if c["op"] == "all_reduce"
+        # gloo carries a reduce-scatter out as an all-reduce (scaling.predicted_comm)
+        as_all_reduce = ("all_reduce", "reduce_scatter") if result["backend"] == "gloo" \
+            else ("all_reduce",)
+        comm = [comm_model.allreduce_time(c["bytes"], n, a, b) if c["op"] in as_all_reduce
                 else time_model.shard_collective_time(c["bytes"], n, a, b) for c in plan]
     return time_model.step_time(run["forward_time_s"], run["backward_time_s"],
                                 [c["bytes"] for c in plan], comm, run["model_overlap"],
