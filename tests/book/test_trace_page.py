@@ -137,7 +137,7 @@ def large_trace(path, events):
 
 def test_a_large_trace_leaves_the_page_responsive(page, tmp_path):
     browser = page
-    trace = large_trace(tmp_path / "large-rank0.json", 150_000)
+    trace = large_trace(tmp_path / "large-rank0.json", 60_000)
     size_mb = trace.stat().st_size / 1e6
     files = browser.find_element(By.ID, "trace-files")
     results = browser.find_element(By.ID, "trace-results")
