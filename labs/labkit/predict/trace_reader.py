@@ -266,10 +266,12 @@ def analyze(trace, name="trace"):
 def memory_timeline(trace, device="cpu"):
     """[(seconds since the profiled steps began, bytes allocated)] on `device` (cpu or cuda):
     torch.profiler's "[memory]" events (recorded with profile_memory=True), one per
-    allocation and free, inside the profiled steps. Their "Total Allocated" is a running
-    total the allocator keeps only while memory profiling is on, net of frees: in a
+    allocation and free, inside the profiled steps, with the allocator's running total.
+    On CPU that total is kept only while memory profiling is on, net of frees: in a
     process's first profile it starts near zero and shows what the steps allocate and
-    free, not what the process held before (a later profile starts where it left off)."""
+    free, not what the process held before (a later profile starts where it left off).
+    On CUDA it is the caching allocator's memory_allocated(), everything the process
+    holds."""
     device_type = {"cpu": 0, "cuda": 1}[device]
     steps = [e for e in trace["traceEvents"] if isinstance(e, dict) and e.get("ph") == "X"
              and STEP.match(str(e.get("name", "")))]
