@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.predict import time_model
-from labkit.parallel.pipeline_schedules import schedule_order
+from labkit.predict.time_model import schedule_order
 
 
 def test_speedup_and_efficiencies():

@@ -7,7 +7,8 @@ and the GPipe and 1F1B schedules run with point-to-point sends.
                    ends, and with `compute_s` makes it last exactly that long forward and
                    twice that backward (by sleeping after the real work)
   timed_torch_stage   torch's PipelineStage, timed by the same clock
-  schedule_order   the (op, micro-batch) order a stage runs: GPipe or 1F1B
+  schedule_order   the (op, micro-batch) order a stage runs: GPipe or 1F1B (from
+                   labkit.predict.time_model, where the step-time model reads it too)
   run_schedule     one training step of one stage, in that order, sending activations
                    forward and gradients back with isend/recv
 
@@ -25,6 +26,7 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..predict.memory_model import stage_layers
+from ..predict.time_model import schedule_order   # written once, where the model reads it too
 
 
 def split_pieces(model, pieces):
@@ -124,25 +126,6 @@ def timed_torch_stage(clock):
                 return super().backward_one_chunk(chunk_id, *args, **kwargs)
 
     return TimedStage
-
-
-def schedule_order(schedule, stages, stage, microbatches):
-    """[(op, micro-batch)] stage `stage` of `stages` runs in one step.
-
-      gpipe  all m forwards, then all m backwards (Huang et al., 2019)
-      1f1b   p-1-s forwards to fill the pipeline, then one forward and one backward in
-             turn, then the backwards left (Narayanan et al., 2021): a micro-batch's
-             activations are freed p-s slots after they were made, not m
-    """
-    m = microbatches
-    forwards, backwards = [("F", i) for i in range(m)], [("B", i) for i in range(m)]
-    if schedule == "gpipe":
-        return forwards + backwards
-    if schedule == "1f1b":
-        warmup = min(stages - 1 - stage, m)
-        steady = [op for i in range(m - warmup) for op in (forwards[warmup + i], backwards[i])]
-        return forwards[:warmup] + steady + backwards[m - warmup:]
-    raise ValueError(f"unknown schedule {schedule!r}")
 
 
 def _wait_for(handle, what, source, stage, timeout_s):

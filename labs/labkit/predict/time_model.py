@@ -1,5 +1,6 @@
 """Time cost models: speedup and efficiency, Amdahl's law, DDP's gradient buckets, and the
-step time of data-parallel training from its compute time and the alpha-beta model, and the
+step time of data-parallel training from its compute time and the alpha-beta model, a
+pipeline's schedules (the order of each stage's ops) and its step with handoffs, and the
 FLOPs of a transformer layer.
 
 Pure functions, no process group: the scaling chapter computes its predictions with them,
@@ -195,6 +196,25 @@ def pipeline_bubble_fraction(stages, microbatches, chunks=1):
     p, m, v = stages, microbatches, chunks
     slots = max(v * m + p - 1, v * p + m - 1)
     return (slots - v * m) / slots
+
+
+def schedule_order(schedule, stages, stage, microbatches):
+    """[(op, micro-batch)] stage `stage` of `stages` runs in one step.
+
+      gpipe  all m forwards, then all m backwards (Huang et al., 2019)
+      1f1b   p-1-s forwards to fill the pipeline, then one forward and one backward in
+             turn, then the backwards left (Narayanan et al., 2021): a micro-batch's
+             activations are freed p-s slots after they were made, not m
+    """
+    m = microbatches
+    forwards, backwards = [("F", i) for i in range(m)], [("B", i) for i in range(m)]
+    if schedule == "gpipe":
+        return forwards + backwards
+    if schedule == "1f1b":
+        warmup = min(stages - 1 - stage, m)
+        steady = [op for i in range(m - warmup) for op in (forwards[warmup + i], backwards[i])]
+        return forwards[:warmup] + steady + backwards[m - warmup:]
+    raise ValueError(f"unknown schedule {schedule!r}")
 
 
 def pipeline_step_time(orders, durations, handoff_s=0.0, before_input=None):
