@@ -162,7 +162,7 @@ def own_time(ops):
     """[start, end] in which an operator of `ops` (a thread's operators, which nest) that
     is_work ran itself, not inside another operator it called: an operator's time inside
     a call it made is the call's."""
-    intervals, stack = [], []   # stack: [start, end, own start, is work] of open operators
+    intervals, stack = [], []   # [start, end, own start, is work, thread] of open operators
 
     def close(top):
         if top[3] and top[2] < top[1]:
@@ -213,24 +213,22 @@ def classify(trace, name="trace"):
         if not ours:
             raise TraceError(f"{name}: no kernels ran in the profiled steps")
         window = [[min(e["ts"] for e in ours), max(e["ts"] + e["dur"] for e in ours)]]
-        comm, compute = [], []
+        comm, computing = [], []
         for e in ours:
-            (comm if str(e.get("name", "")).lower().startswith("nccl") else compute).append(e)
+            if str(e.get("name", "")).lower().startswith("nccl"):
+                comm.append(e)
+            else:
+                computing.append([e["ts"], e["ts"] + e["dur"]])
     else:
         kind = "cpu"
         window = step_window
         model_threads = {(e.get("pid"), e.get("tid")) for e in steps}
         comm = [e for e in events if str(e.get("name", "")).startswith("gloo:")
                 and intersect([[e["ts"], e["ts"] + e["dur"]]], window)]
-        ops = [e for e in events if e.get("cat") == "cpu_op"
-               and (e.get("pid"), e.get("tid")) in model_threads]
-        return {"kind": kind, "steps": len(steps), "window": window,
-                "compute": intersect(union(own_time(ops)), window),
-                "communication": intersect(union([e["ts"], e["ts"] + e["dur"]] for e in comm),
-                                           window),
-                "collectives": [str(e["name"]) for e in comm]}
+        computing = own_time([e for e in events if e.get("cat") == "cpu_op"
+                              and (e.get("pid"), e.get("tid")) in model_threads])
     return {"kind": kind, "steps": len(steps), "window": window,
-            "compute": intersect(union([e["ts"], e["ts"] + e["dur"]] for e in compute), window),
+            "compute": intersect(union(computing), window),
             "communication": intersect(union([e["ts"], e["ts"] + e["dur"]] for e in comm),
                                        window),
             "collectives": [str(e["name"]) for e in comm]}
