@@ -21,15 +21,27 @@ export PYTHONDONTWRITEBYTECODE :=
 # The sizing page's Pyodide release, pinned once in _config.yml
 PYODIDE_VERSION := $(shell sed -n 's/^ *sizing_pyodide_version: "\(.*\)"/\1/p' _config.yml)
 PYODIDE := $(VENV)/pyodide-$(PYODIDE_VERSION)
+# MathJax for a site that reads offline (OFFLINE=1), pinned once in _config.yml
+MATHJAX_VERSION := $(shell sed -n 's/^ *offline_mathjax_version: "\(.*\)"/\1/p' _config.yml)
+MATHJAX := $(VENV)/mathjax-$(MATHJAX_VERSION)
+# OFFLINE=1: the built site makes no request outside itself (book/_ext/offline_site.py):
+# MathJax and Pyodide come from npm's packages, copied into the site. `make test` builds it
+# so wherever npm is present, and its browser test checks that nothing else is requested.
+OFFLINE ?=
+OFFLINE_ASSETS = $(MAKE) --no-print-directory pyodide mathjax && \
+	test -f $(PYODIDE)/pyodide.js -a -f $(MATHJAX)/tex-mml-chtml.js || { echo \
+	"make book OFFLINE=1: npm is needed once, to take MathJax and Pyodide from its registry"; exit 1; }
+OFFLINE_ENV = BOOK_MATHJAX_DIR=$(abspath $(MATHJAX)) BOOK_PYODIDE_DIR=$(abspath $(PYODIDE))
 # -W: warnings are errors; -n: nitpicky (every reference must resolve); --all: write every
 # page again. A chapter executes again only when its cells, or the labs, results or pinned
 # packages changed (scripts/book_cache.py empties the execution cache then).
 JB_FLAGS := --all -W -n --keep-going
 
-.PHONY: help venv book test pytest htmlcheck lab serve linkcheck notebooks clean pyodide
+.PHONY: help venv book test pytest htmlcheck lab serve linkcheck notebooks clean pyodide mathjax
 
 help:
 	@echo "make book       build the executed book into _build/html"
+	@echo "make book OFFLINE=1   the same, reading offline: MathJax and Pyodide served by the site (needs npm once)"
 	@echo "make test       run the tests, build the book with warnings as errors, check its pages"
 	@echo "make lab LAB=grad_averaging NPROC=4 ARGS='--steps 50'   run one lab under torchrun"
 	@echo "make serve      serve _build/html on http://127.0.0.1:$(PORT)"
@@ -58,7 +70,8 @@ venv: $(VENV)/.installed
 
 book: venv
 	$(BIN)/python scripts/book_cache.py
-	$(BIN)/jupyter-book build . $(JB_FLAGS)
+	$(if $(filter 1,$(OFFLINE)),$(OFFLINE_ASSETS))
+	$(if $(filter 1,$(OFFLINE)),$(OFFLINE_ENV)) $(BIN)/jupyter-book build . $(JB_FLAGS)
 
 # The labs and cost models; tests/book checks the built pages, after the book (htmlcheck).
 # Two test files at a time (most of a lab's time is spent starting processes and waiting on
@@ -83,6 +96,20 @@ $(PYODIDE)/pyodide.js: _config.yml | $(BIN)/activate
 		rm $(VENV)/pyodide-$(PYODIDE_VERSION).tgz && mv $(VENV)/package $(PYODIDE); \
 	else echo "npm not found: no local Pyodide, the sizing page's browser test will skip"; fi
 
+# npm's mathjax package, its es5/ folder (what the site loads) in $(MATHJAX)
+mathjax: $(MATHJAX)/tex-mml-chtml.js
+
+$(MATHJAX)/tex-mml-chtml.js: _config.yml | $(BIN)/activate
+	@if command -v npm >/dev/null; then \
+		rm -rf $(MATHJAX) $(VENV)/package && \
+		npm pack --silent mathjax@$(MATHJAX_VERSION) --pack-destination $(VENV) >/dev/null && \
+		tar xzf $(VENV)/mathjax-$(MATHJAX_VERSION).tgz -C $(VENV) && \
+		rm $(VENV)/mathjax-$(MATHJAX_VERSION).tgz && mv $(VENV)/package/es5 $(MATHJAX) && \
+		rm -rf $(VENV)/package; \
+	else echo "npm not found: no local MathJax, so no offline site"; fi
+
+# Where npm is present, the site the tests check is the one that reads offline
+test: OFFLINE = $(if $(shell command -v npm),1)
 test: pytest book htmlcheck
 
 lab: venv

@@ -46,9 +46,20 @@ if missing:
                 allow_module_level=True)
 
 
+def built_config():
+    """The page's configuration as the build wrote it (book/_ext/sizing_page.py)."""
+    return json.loads(re.search(r"= (\{.*\});", (
+        HTML / "_static" / "sizing-config.js").read_text()).group(1))
+
+
+# A site built to read offline (make book OFFLINE=1) serves its own Pyodide
+SERVES_PYODIDE = not built_config()["pyodide"].startswith(("http:", "https:"))
+
+
 class Site(http.server.SimpleHTTPRequestHandler):
-    """The built site, but Pyodide from the local copy: the page's configuration script is
-    the one a build with sizing_pyodide_dir set would write."""
+    """The built site. Where it loads Pyodide from the CDN, Pyodide comes from the local
+    copy instead: the page's configuration script is then the one a build with
+    sizing_pyodide_dir set would write."""
 
     def translate_path(self, path):
         if path.startswith("/pyodide/"):
@@ -56,9 +67,8 @@ class Site(http.server.SimpleHTTPRequestHandler):
         return super().translate_path(path)
 
     def do_GET(self):
-        if self.path.split("?")[0] == "/_static/sizing-config.js":
-            config = json.loads(re.search(r"= (\{.*\});", (
-                HTML / "_static" / "sizing-config.js").read_text()).group(1))
+        if self.path.split("?")[0] == "/_static/sizing-config.js" and not SERVES_PYODIDE:
+            config = built_config()
             body = f"window.SIZING_CONFIG = {json.dumps({**config, 'pyodide': '/pyodide/'})};"
             self.send_response(200)
             self.send_header("Content-Type", "text/javascript")
@@ -134,6 +144,16 @@ def test_the_page_answers_first_within_the_goal(page, browser):
     assert first < 60   # loaded at all; the goal is reported, a busy machine may miss it
     if first > FIRST_RESULT_GOAL_S:
         print(f"sizing page: above the {FIRST_RESULT_GOAL_S:g} s goal on this machine")
+
+
+def test_a_site_that_reads_offline_loads_pyodide_from_itself(page, browser, site):
+    if not SERVES_PYODIDE:
+        pytest.skip("this site loads Pyodide from the CDN (make book OFFLINE=1 serves it)")
+    origin = site.split("/book/")[0] + "/"
+    requested = browser.execute_script(
+        "return performance.getEntriesByType('resource').map((entry) => entry.name)")
+    assert any(url.startswith(origin + "_static/pyodide/") for url in requested), requested
+    assert [url for url in requested if not url.startswith(origin)] == []
 
 
 def test_the_zero_papers_example(page, browser):

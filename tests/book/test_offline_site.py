@@ -1,0 +1,165 @@
+"""The site built to read offline (`make book OFFLINE=1`, which `make test` builds where npm
+is present), in Debian's Chromium with every host but this machine unresolvable: a GPU
+cluster without internet access, as a reader there would open it.
+
+- No page requests anything outside the site: the browser's own list of what each page
+  loaded (Resource Timing) holds only the site's address.
+- Every equation renders, at 1280 and at 390 px: as many MathJax containers as the page
+  has equations, no MathJax error, no raw TeX left in the text.
+- Each displayed equation fits its column, or scrolls sideways in its own box.
+
+The sizing page's own test checks that it answers with the site's Pyodide (test_sizing_page).
+
+Without the offline build (no npm), Chromium, chromedriver or selenium it skips, saying which.
+"""
+
+import functools
+import http.server
+import re
+import shutil
+import threading
+
+import pytest
+
+from test_sizing_page import HTML   # skips alike when the browser is missing
+
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+if not (HTML / "_static" / "mathjax" / "tex-mml-chtml.js").is_file():
+    pytest.skip("the offline site's test needs the site built with make book OFFLINE=1 "
+                "(npm for MathJax and Pyodide)", allow_module_level=True)
+
+from selenium import webdriver   # noqa: E402 (after the skip: test_sizing_page checked it)
+from selenium.webdriver.chrome.options import Options   # noqa: E402
+from selenium.webdriver.chrome.service import Service   # noqa: E402
+
+WIDTHS = (1280, 390)
+# The pages with mathematics, and how many equations each has (Sphinx writes each one as a
+# span.math or a div.math holding \(...\) or \[...\]), read from the built files
+PAGES = {path.relative_to(HTML).as_posix(): count for path in sorted(HTML.glob("book/*.html"))
+         if (count := len(re.findall(r'class="math[" ]', path.read_text())))}
+
+
+class QuietSite(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def origin():
+    handler = functools.partial(QuietSite, directory=str(HTML))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)   # a free port
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    options = Options()
+    for argument in ("--headless=new", "--no-sandbox", "--disable-gpu",
+                     f"--window-size={WIDTHS[0]},1000",
+                     # no name resolves but this machine's: a request outside fails, as
+                     # on a cluster without internet (and the check below names it)
+                     "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
+                     "--disable-background-networking", "--disable-component-update"):
+        options.add_argument(argument)
+    options.binary_location = CHROMIUM
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    yield driver
+    driver.quit()
+
+
+# In the page: wait until MathJax has typeset it, then report what a reader would see
+TYPESET = """
+const done = arguments[arguments.length - 1];
+const start = Date.now();
+(function wait() {
+  if (window.MathJax && MathJax.startup && MathJax.startup.promise) {
+    MathJax.startup.promise.then(() => done(true), (e) => done(String(e)));
+  } else if (Date.now() - start > 30000) { done("MathJax never started"); }
+  else { setTimeout(wait, 50); }
+})();
+"""
+
+REPORT = """
+const article = document.querySelector("article") || document.body;
+// text a reader sees outside code, MathJax's own output and scripts: raw TeX would be here
+const walker = document.createTreeWalker(article, NodeFilter.SHOW_TEXT, {acceptNode(node) {
+  return node.parentElement.closest("pre, code, script, style, mjx-container, .highlight")
+    ? NodeFilter.FILTER_REJECT : NodeFilter.FILTER_ACCEPT; }});
+const raw = [];
+while (walker.nextNode()) {
+  const text = walker.currentNode.textContent;
+  if (/\\\\[(\\[]|\\\\[)\\]]/.test(text)) raw.push(text.trim().slice(0, 80));
+}
+// a displayed equation fits its column, or some box between it and the column scrolls
+const column = article.getBoundingClientRect();
+const overflowing = [];
+for (const eq of article.querySelectorAll('mjx-container[display="true"]')) {
+  // the typeset formula, which may run past its container's box
+  const content = (eq.firstElementChild || eq).getBoundingClientRect();
+  if (content.width === 0 || content.right <= column.right + 1) continue;
+  let scrolls = false;
+  for (let el = eq; el && el !== article; el = el.parentElement) {
+    const style = getComputedStyle(el);
+    if (["auto", "scroll"].includes(style.overflowX)
+        && el.getBoundingClientRect().right <= column.right + 1) { scrolls = true; break; }
+  }
+  if (!scrolls) overflowing.push(eq.textContent.slice(0, 60));
+}
+return {containers: article.querySelectorAll("mjx-container").length,
+        errors: document.querySelectorAll("mjx-merror").length,
+        raw, overflowing,
+        requested: performance.getEntriesByType("resource").map((entry) => entry.name)};
+"""
+
+
+def narrow(driver, width):
+    """A viewport `width` CSS pixels wide, as a phone's: headless Chromium keeps a window
+    at least 500 px wide, so the page is given the width through DevTools instead."""
+    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {
+        "width": width, "height": 1000, "deviceScaleFactor": 1, "mobile": width < 500})
+    assert driver.execute_script("return window.innerWidth") == width
+
+
+@pytest.fixture(scope="module")
+def seen(origin, browser):
+    """Each page with equations, typeset at each width: what the page showed and loaded.
+    A page is loaded once and the window narrowed: MathJax's output is the same, the
+    layout is what changes."""
+    browser.set_script_timeout(60)
+    reports = {}
+    for page in PAGES:
+        narrow(browser, WIDTHS[0])
+        browser.get(f"{origin}/{page}")
+        typeset = browser.execute_async_script(TYPESET)
+        for width in WIDTHS:
+            narrow(browser, width)
+            reports[page, width] = {"typeset": typeset, **browser.execute_script(REPORT)}
+    return reports
+
+
+def test_the_pages_with_equations_are_found():
+    assert len(PAGES) >= 10 and sum(PAGES.values()) > 100, PAGES
+
+
+def test_every_equation_renders(seen):
+    for (page, width), report in seen.items():
+        where = f"{page} at {width} px"
+        assert report["typeset"] is True, f"{where}: {report['typeset']}"
+        assert report["errors"] == 0, f"{where}: {report['errors']} MathJax errors"
+        assert report["containers"] == PAGES[page], where
+        assert report["raw"] == [], f"{where}: raw TeX {report['raw']}"
+
+
+def test_each_displayed_equation_fits_or_scrolls_in_its_own_box(seen):
+    for (page, width), report in seen.items():
+        assert report["overflowing"] == [], f"{page} at {width} px: {report['overflowing']}"
+
+
+def test_no_page_requests_anything_outside_the_site(origin, seen):
+    for (page, _), report in seen.items():
+        outside = [url for url in report["requested"] if not url.startswith(origin + "/")]
+        assert outside == [], f"{page}: {outside}"
+    assert any("/_static/mathjax/" in url for report in seen.values()
+               for url in report["requested"])
