@@ -37,13 +37,15 @@ OFFLINE_ENV = BOOK_MATHJAX_DIR=$(abspath $(MATHJAX)) BOOK_PYODIDE_DIR=$(abspath 
 # packages changed (scripts/book_cache.py empties the execution cache then).
 JB_FLAGS := --all -W -n --keep-going
 
-.PHONY: help venv book test pytest htmlcheck lab serve linkcheck notebooks clean pyodide mathjax
+.PHONY: help venv book test pytest htmlcheck lab serve linkcheck notebooks clean pyodide mathjax \
+	gpu-references
 
 help:
 	@echo "make book       build the executed book into _build/html"
 	@echo "make book OFFLINE=1   the same, reading offline: MathJax and Pyodide served by the site (needs npm once)"
 	@echo "make test       run the tests, build the book with warnings as errors, check its pages"
 	@echo "make lab LAB=grad_averaging NPROC=4 ARGS='--steps 50'   run one lab under torchrun"
+	@echo "make gpu-references   every chapter's labs on this box's GPUs with NCCL, into results/<gpu>-x<N>/"
 	@echo "make serve      serve _build/html on http://127.0.0.1:$(PORT)"
 	@echo "make linkcheck  check the book's external links"
 	@echo "make notebooks  write .ipynb copies of the chapters into _notebooks/"
@@ -115,6 +117,11 @@ test: pytest book htmlcheck
 lab: venv
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m torch.distributed.run \
 		--standalone --nproc_per_node=$(NPROC) labs/$(LAB).py $(ARGS)
+
+# On a GPU box: each chapter's labs with NCCL on every GPU, one JSON per lab with what it ran
+# on, in results/<gpu>-x<N>/ (benchmarks/gpu_references.py; ARGS='--labs memory' for some)
+gpu-references: venv
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python benchmarks/gpu_references.py $(ARGS)
 
 serve:
 	$(BIN)/python -m http.server $(PORT) --bind 127.0.0.1 --directory _build/html
