@@ -69,7 +69,7 @@ RUNS = (
     Run("grad_averaging", "gradient averaging"),
     Run("ring_allreduce", "collectives", ("--sizes", "1M,64M,1G")),
     Run("memory", "memory", ("measure", "--strategy", "all")),
-    Run("mini_ddp", "gradient averaging"),
+    Run("mini_ddp", "scaling"),
     Run("scaling", "scaling", ("--strategy", "ddp,fsdp", "--scaling", "weak", "--batch", 8)),
     Run("fsdp", "FSDP and ZeRO"),
     Run("precision", "precision"),
@@ -149,7 +149,7 @@ def main(argv=None, runs=RUNS):
     outcomes = []
     for index, run in enumerate(chosen, 1):
         lab_args = [*run.arguments(world_size), "--backend", args.backend]
-        command = reader_command(run.lab, world_size, lab_args)
+        command = reader_command(run.lab, world_size, lab_args, width=10_000)   # one line
         print(f"[{index}/{len(chosen)}] {run.lab} ({run.chapter}): {command}", flush=True)
         start = time.perf_counter()
         try:
