@@ -154,6 +154,10 @@ def parse_args(argv=None):
     choose.add_argument("--tp-overlap", type=fraction, default=planner.TP_OVERLAP,
                         help="fraction of tensor-parallel traffic hidden by compute "
                              "(asynchronous TP; default 0)")
+    choose.add_argument("--tp-comm-overlap", action="store_true",
+                        help="each tensor-parallel all-gather and reduce-scatter pipelined "
+                             "with its linear layer's product, only what outlasts it exposed "
+                             "(Megatron-LM's --tp-comm-overlap)")
     choose.add_argument("--precision", choices=precision_model.PLANNER_PRECISIONS,
                         default="bf16", help="the matrix products in bf16, or in FP8 (the "
                         f"layers' linear products at {precision_model.FP8_PEAK_RATIO:g}x the "
@@ -217,6 +221,7 @@ def model_from_args(args):
 def settings_from_args(args):
     return planner.Settings(
         global_batch_tokens=args.global_batch_tokens, mfu=args.mfu, tp_overlap=args.tp_overlap,
+        tp_comm_overlap=args.tp_comm_overlap,
         flash_attention=args.flash_attention, zero=tuple(args.zero),
         precision=args.precision, fp8_activations=args.fp8_activations,
         states="fp32_grads" if args.fp32_grads else "mixed",

@@ -131,6 +131,62 @@ def test_one_model_of_tensor_parallel_traffic():
     assert "comm_model.tensor_parallel_collectives(" in CHAPTER.read_text()
 
 
+def test_tensor_parallel_overlap_hides_each_collective_behind_its_own_product():
+    """--tp-comm-overlap: each of a layer's ten sequence-parallel collectives is charged
+    only for what outlasts the linear layer's product beside it (Transformer Engine's
+    pairs); the head's, the loss's and the replicated gradients' stay whole. By hand for
+    one layer of Llama 3 70B, then: never more than without the overlap, all of it on a
+    link too slow for any product to hide, and FP8's faster products hide less."""
+    model = planner.PRESETS["llama3-70b"]
+    hw = planner.Hardware(64)
+    rate = hw.peak_tflops * 1e12 * planner.COMPUTE_EFFICIENCY
+    b, seq, tp = 1, model.seq, 4
+    h, kv = model.hidden, model.kv_dim
+    f = model.ffn
+    # forward FLOPs of the four linears on one of tp ranks, over the micro-batch's tokens
+    qkv, proj = 2 * h * (h + 2 * kv) * b * seq / tp, 2 * h * h * b * seq / tp
+    fc1, fc2 = 2 * h * 2 * f * b * seq / tp, 2 * f * h * b * seq / tp
+    assert model.linear_flops_per_token(0) == (2 * h * (h + 2 * kv), 2 * h * h, 4 * h * f,
+                                               2 * f * h)
+    one = time_model.shard_collective_time(2 * b * seq * h, tp, *hw.nvlink)
+    products = [qkv, proj, fc1, fc2, fc2, fc1, fc1, proj, qkv, qkv]
+    outside = planner.tensor_parallel_time(1, seq, b, h, tp, False, 1, False, hw) - \
+        10 * one   # the plain time, less the layer's ten collectives
+    exposed = {}
+    for speed in (1.0, 2.0):   # bf16, and FP8's linear products twice as fast
+        exposed[speed] = sum(max(0.0, one - p / rate / speed) for p in products)
+        assert planner.tensor_parallel_overlapped_time(
+            model, 0, 1, seq, b, tp, False, 1, False, hw, rate, speed) == pytest.approx(
+            exposed[speed] + outside)
+    # in bf16 every product outlasts its collective; in FP8 the output projection's (h x h)
+    # two are shorter than theirs
+    assert exposed[1.0] == 0 and exposed[2.0] == pytest.approx(2 * (one - proj / rate / 2))
+
+    slow = planner.Hardware(64, nvlink_gb_s=1)   # a link no product can hide
+    for hw_ in (hw, slow):
+        for recompute in (False, True):
+            plain = planner.tensor_parallel_time(8, seq, b, h, tp, False, 4, recompute, hw_)
+            hidden = planner.tensor_parallel_overlapped_time(
+                model, 0, 8, seq, b, tp, False, 4, recompute, hw_, rate, 1.0)
+            fp8 = planner.tensor_parallel_overlapped_time(
+                model, 0, 8, seq, b, tp, False, 4, recompute, hw_, rate, 2.0)
+            assert hidden <= fp8 <= plain
+            if hw_ is slow:
+                # every collective outlasts its product by that product's length
+                assert plain - hidden == pytest.approx(4 * 8 * sum(products) / rate
+                                                       * (1 + 4 / 10 * recompute), rel=0.05)
+
+    # the step time takes it, as a setting of the run
+    config = layout(dp=4, tp=4, pp=4, microbatches=32)
+    on, off = (planner.step_time(model, config, planner.Settings(
+        global_batch_tokens=128 * model.seq, tp_comm_overlap=overlap), hw)
+        for overlap in (True, False))
+    assert on["tp"] < off["tp"] and on["compute"] == off["compute"]
+    argv = ["--model", "llama3-70b", "--gpus", "64", "--global-batch-tokens", "1M"]
+    assert plan.settings_from_args(plan.parse_args([*argv, "--tp-comm-overlap"])).tp_comm_overlap
+    assert not plan.settings_from_args(plan.parse_args(argv)).tp_comm_overlap
+
+
 def layout(**overrides):
     base = {"dp": 8, "tp": 8, "pp": 4, "cp": 1, "ep": 1, "chunks": 1, "micro_batch": 1,
             "microbatches": 16, "zero": "zero1", "recompute": "none"}

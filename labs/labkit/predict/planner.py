@@ -30,7 +30,9 @@ attention (FlashAttention) keeps no s x s matrix; the last stage keeps the logit
 
 Time, per step: compute at a stated fraction of the peak; the pipeline's idle time
 (time_model.pipeline_bubble_fraction, m < p included); tensor-parallel collectives
-(comm_model.tensor_parallel_collectives) on NVLink, a stated fraction overlapped; the
+(comm_model.tensor_parallel_collectives) on NVLink, a stated fraction overlapped, or
+with tp_comm_overlap each beside the linear layer's product it feeds or drains
+(tensor_parallel_overlapped_time); the
 pipeline's sends; the data-parallel collectives (comm_model.data_parallel_step_collectives)
 over the hierarchical links (time_model.hierarchical_allreduce_time), hidden behind
 backward as far as they fit; context parallelism's ring, exposed where a block's transfer
@@ -231,6 +233,23 @@ class Model(HashedOnce):
                 total += split + self.mlp(self.ffn)[0]
         return total
 
+    def linear_flops_per_token(self, layer):
+        """(QKV, output projection, first MLP matrix, second MLP matrix) forward FLOPs per
+        token of layer `layer`'s four linear layers, unsplit: 2 x their weights, the MLP's
+        those of the experts a token passes through (top_k routed and the shared ones).
+        These are the products a tensor-parallel collective can overlap with."""
+        h, (_, _, _, out) = self.hidden, self.attention_widths()
+        split, _ = self.attention()
+        projection = out * h
+        qkv = split - projection
+        if self.experts and layer >= self.dense_layers:
+            width, copies = self.expert_hidden, self.top_k + self.shared_experts
+        else:
+            width, copies = self.ffn, 1
+        second = h * width
+        first = self.mlp(width)[0] - second      # GELU's fc1 (and its bias), SwiGLU's gate and up
+        return 2 * qkv, 2 * projection, 2 * copies * first, 2 * copies * second
+
     def attention_flops_per_token(self):
         """Attention's two matrix products, forward and backward, per token: scores Q K^T
         (2 s heads d_qk forward) and weights x V (2 s heads d_v), three times that with
@@ -304,6 +323,10 @@ class Settings(HashedOnce):
     global_batch_tokens: int
     mfu: float = COMPUTE_EFFICIENCY
     tp_overlap: float = TP_OVERLAP
+    # each sequence-parallel all-gather and reduce-scatter pipelined with the linear layer's
+    # product beside it, as Megatron-LM's --tp-comm-overlap and NeMo's ub_tp_comm_overlap
+    # run them (Transformer Engine's userbuffers): a run's own setting, where it says so
+    tp_comm_overlap: bool = False
     flash_attention: bool = True
     zero: tuple = ZERO
     recompute: tuple = RECOMPUTE     # or one of them
@@ -369,6 +392,43 @@ def tensor_parallel_time(layers, seq, batch, hidden, tp, embedding, microbatches
     # (the last entry) once per step
     per_micro_batch, once = plan[:-1], plan[-1:]
     return microbatches * priced(per_micro_batch, tp, tp, hw) + priced(once, tp, tp, hw)
+
+
+@functools.lru_cache(maxsize=65536)
+def tensor_parallel_overlapped_time(model, first_layer, layers, seq, batch, tp, embedding,
+                                    microbatches, recompute, hw, rate, fp8):
+    """Seconds of one rank's tensor-parallel collectives in a step when each of a layer's
+    sequence-parallel all-gathers and reduce-scatters runs beside the linear layer's
+    product it feeds or drains, as Transformer Engine's comm-GEMM overlap runs them
+    (Megatron-LM's --tp-comm-overlap, NeMo's ub_tp_comm_overlap): only what outlasts that
+    product is exposed. The pairs, per layer and micro-batch, forward: the gather before
+    QKV and before the MLP's first matrix, the reduce-scatter after the output projection
+    and after the second; backward: the gradient's gather with each row-parallel layer's
+    input gradient (dgrad), and for each column-parallel layer the input gathered again
+    beside its dgrad and its gradient's reduce-scatter beside its weight gradient (wgrad,
+    as many FLOPs as the forward); full recomputation repeats the forward's four. The
+    products run at `rate` FLOP/s, their linear layers `fp8` times faster under FP8. Not
+    charged: the SMs the communication takes from the products, and the first of the
+    chunks each pair is cut into, whose transfer nothing hides. The embedding's, the
+    head's and the loss's collectives and the replicated gradients' all-reduce stay
+    exposed."""
+    one = time_model.shard_collective_time(VALUE_BYTES * seq * batch * model.hidden, tp,
+                                           *hw.nvlink)
+    exposed = 0.0
+    for layer in range(first_layer, first_layer + layers):
+        qkv, proj, fc1, fc2 = (flops * batch * seq / tp / rate / fp8
+                               for flops in model.linear_flops_per_token(layer))
+        pairs = [qkv, proj, fc1, fc2] + [fc2, fc1, fc1, proj, qkv, qkv]
+        pairs += [qkv, proj, fc1, fc2] if recompute else []
+        exposed += sum(max(0.0, one - product) for product in pairs)
+    per_layer = 10 + (4 if recompute else 0)
+    everything = comm_model.tensor_parallel_collectives(
+        layers, seq, batch, model.hidden, tp, sequence_parallel=True, embedding=embedding,
+        head=True, microbatches=1, recompute=recompute)
+    # what is not a layer's: the embedding's, the head's and the loss's, once per
+    # micro-batch, and the replicated gradients' all-reduce once per step
+    outside, once = everything[layers * per_layer:-1], everything[-1:]
+    return microbatches * (exposed + priced(outside, tp, tp, hw)) + priced(once, tp, tp, hw)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -668,7 +728,12 @@ def step_time(model, layout, settings, hw):
     node = hw.gpus_per_node
     # tensor parallelism: the one traffic model (comm_model), the stage with most layers
     tp_s = 0.0
-    if tp > 1:
+    if tp > 1 and settings.tp_comm_overlap:   # the stage whose exposed traffic is longest
+        fp8_speed = precision_model.FP8_PEAK_RATIO if settings.precision == "fp8" else 1.0
+        tp_s = max(tensor_parallel_overlapped_time(
+            model, start, count, seq, b, tp, pp == 1, m, recompute == "full", hw, rate,
+            fp8_speed) for _, start, count in stage_spans(split)) * (1 - settings.tp_overlap)
+    elif tp > 1:
         tp_s = tensor_parallel_time(max(split), seq, b, model.hidden, tp, pp == 1, m,
                                     recompute == "full", hw) * (1 - settings.tp_overlap)
     # pipeline: an activation forward and its gradient back per micro-batch and chunk; each
