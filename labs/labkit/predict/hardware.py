@@ -18,6 +18,7 @@ NIC = (10e-6, 48e9)            # between nodes, per network card, one card per G
 NVLINK_LINE_RATE = 450e9       # bytes/s per direction per GPU
 NIC_LINE_RATE = 50e9           # bytes/s, 400 Gb/s
 H100_BF16_FLOPS = 989e12       # dense bf16 peak of the H100 SXM, FLOP/s
+H100_NVL_BF16_FLOPS = 835e12   # the H100 NVL's: 1,671 TFLOP/s with sparsity, halved (datasheet)
 UTILIZATION = 0.40             # model FLOPs utilization of well-tuned training
 
 # The DGX A100 servers of Selene, on which Narayanan et al. (2021, section 5) and Korthikanti
