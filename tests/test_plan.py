@@ -134,47 +134,53 @@ def test_one_model_of_tensor_parallel_traffic():
 def test_tensor_parallel_overlap_hides_each_collective_behind_its_own_product():
     """--tp-comm-overlap: each of a layer's ten sequence-parallel collectives is charged
     only for what outlasts the linear layer's product beside it (Transformer Engine's
-    pairs); the head's, the loss's and the replicated gradients' stay whole. By hand for
-    one layer of Llama 3 70B, then: never more than without the overlap, all of it on a
-    link too slow for any product to hide, and FP8's faster products hide less."""
+    ring-exchange, pipelined and bulk pairs); an FP8 run moves eight of them in one byte a
+    value, the bulk reduce-scatters in two; the head's, the loss's and the replicated
+    gradients' stay whole. By hand for one layer of Llama 3 70B on a link slow enough that
+    some products do not hide their collective, then: never more than without the
+    overlap, and all of it once no product can hide anything."""
     model = planner.PRESETS["llama3-70b"]
-    hw = planner.Hardware(64)
+    hw = planner.Hardware(64, nvlink_gb_s=100)
     rate = hw.peak_tflops * 1e12 * planner.COMPUTE_EFFICIENCY
     b, seq, tp = 1, model.seq, 4
-    h, kv = model.hidden, model.kv_dim
-    f = model.ffn
-    # forward FLOPs of the four linears on one of tp ranks, over the micro-batch's tokens
-    qkv, proj = 2 * h * (h + 2 * kv) * b * seq / tp, 2 * h * h * b * seq / tp
-    fc1, fc2 = 2 * h * 2 * f * b * seq / tp, 2 * f * h * b * seq / tp
+    h, kv, f = model.hidden, model.kv_dim, model.ffn
     assert model.linear_flops_per_token(0) == (2 * h * (h + 2 * kv), 2 * h * h, 4 * h * f,
                                                2 * f * h)
-    one = time_model.shard_collective_time(2 * b * seq * h, tp, *hw.nvlink)
-    products = [qkv, proj, fc1, fc2, fc2, fc1, fc1, proj, qkv, qkv]
     outside = planner.tensor_parallel_time(1, seq, b, h, tp, False, 1, False, hw) - \
-        10 * one   # the plain time, less the layer's ten collectives
+        10 * time_model.shard_collective_time(2 * b * seq * h, tp, *hw.nvlink)
     exposed = {}
-    for speed in (1.0, 2.0):   # bf16, and FP8's linear products twice as fast
-        exposed[speed] = sum(max(0.0, one - p / rate / speed) for p in products)
+    for fp8 in (False, True):
+        speed = pm.FP8_PEAK_RATIO if fp8 else 1
+        # forward FLOPs of the four linears on one of tp ranks, over the micro-batch's tokens
+        qkv, proj, fc1, fc2 = (flops * b * seq / tp / rate / speed for flops in (
+            2 * h * (h + 2 * kv), 2 * h * h, 4 * h * f, 2 * f * h))
+        narrow, wide = (time_model.shard_collective_time(value_bytes * b * seq * h, tp,
+                                                         *hw.nvlink)
+                        for value_bytes in ((1 if fp8 else 2), 2))
+        pairs = [(narrow, qkv), (narrow, proj), (narrow, fc1), (narrow, fc2),   # forward
+                 (narrow, fc2), (narrow, proj),                                 # dgrad
+                 (narrow, fc1), (wide, fc1), (narrow, qkv), (wide, qkv)]        # bulk
+        exposed[fp8] = sum(max(0.0, comm - product) for comm, product in pairs)
         assert planner.tensor_parallel_overlapped_time(
-            model, 0, 1, seq, b, tp, False, 1, False, hw, rate, speed) == pytest.approx(
-            exposed[speed] + outside)
-    # in bf16 every product outlasts its collective; in FP8 the output projection's (h x h)
-    # two are shorter than theirs
-    assert exposed[1.0] == 0 and exposed[2.0] == pytest.approx(2 * (one - proj / rate / 2))
+            model, 0, 1, seq, b, tp, False, 1, False, hw, rate, fp8) == pytest.approx(
+            exposed[fp8] + outside)
+    # the MLP's products hide their collectives; the attention's (h x h and QKV) do not
+    assert 0 < exposed[False] and 0 < exposed[True]
 
     slow = planner.Hardware(64, nvlink_gb_s=1)   # a link no product can hide
     for hw_ in (hw, slow):
         for recompute in (False, True):
             plain = planner.tensor_parallel_time(8, seq, b, h, tp, False, 4, recompute, hw_)
             hidden = planner.tensor_parallel_overlapped_time(
-                model, 0, 8, seq, b, tp, False, 4, recompute, hw_, rate, 1.0)
-            fp8 = planner.tensor_parallel_overlapped_time(
-                model, 0, 8, seq, b, tp, False, 4, recompute, hw_, rate, 2.0)
-            assert hidden <= fp8 <= plain
-            if hw_ is slow:
-                # every collective outlasts its product by that product's length
-                assert plain - hidden == pytest.approx(4 * 8 * sum(products) / rate
-                                                       * (1 + 4 / 10 * recompute), rel=0.05)
+                model, 0, 8, seq, b, tp, False, 4, recompute, hw_, rate, False)
+            assert hidden < plain
+            if hw_ is slow:   # each collective outlasts its product by that product's time
+                qkv, proj, fc1, fc2 = (flops * b * seq / tp / rate
+                                       for flops in model.linear_flops_per_token(0))
+                forward = qkv + proj + fc1 + fc2
+                backward = fc2 + proj + 2 * fc1 + 2 * qkv
+                saved = 4 * 8 * (forward * (1 + recompute) + backward)   # m 4, 8 layers
+                assert plain - hidden == pytest.approx(saved)
 
     # the step time takes it, as a setting of the run
     config = layout(dp=4, tp=4, pp=4, microbatches=32)

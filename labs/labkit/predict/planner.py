@@ -31,7 +31,7 @@ attention (FlashAttention) keeps no s x s matrix; the last stage keeps the logit
 Time, per step: compute at a stated fraction of the peak; the pipeline's idle time
 (time_model.pipeline_bubble_fraction, m < p included); tensor-parallel collectives
 (comm_model.tensor_parallel_collectives) on NVLink, a stated fraction overlapped, or
-with tp_comm_overlap each beside the linear layer's product it feeds or drains
+with tp_comm_overlap each beside a linear layer's product, as Transformer Engine runs them
 (tensor_parallel_overlapped_time); the
 pipeline's sends; the data-parallel collectives (comm_model.data_parallel_step_collectives)
 over the hierarchical links (time_model.hierarchical_allreduce_time), hidden behind
@@ -323,9 +323,10 @@ class Settings(HashedOnce):
     global_batch_tokens: int
     mfu: float = COMPUTE_EFFICIENCY
     tp_overlap: float = TP_OVERLAP
-    # each sequence-parallel all-gather and reduce-scatter pipelined with the linear layer's
-    # product beside it, as Megatron-LM's --tp-comm-overlap and NeMo's ub_tp_comm_overlap
-    # run them (Transformer Engine's userbuffers): a run's own setting, where it says so
+    # each sequence-parallel all-gather and reduce-scatter run beside a linear layer's
+    # product, as Megatron-LM's --tp-comm-overlap and NeMo's ub_tp_comm_overlap run them
+    # (Transformer Engine's comm-GEMM overlap; tensor_parallel_overlapped_time): a run's
+    # own setting, where it says so; it replaces tp_overlap's fraction
     tp_comm_overlap: bool = False
     flash_attention: bool = True
     zero: tuple = ZERO
@@ -398,29 +399,46 @@ def tensor_parallel_time(layers, seq, batch, hidden, tp, embedding, microbatches
 def tensor_parallel_overlapped_time(model, first_layer, layers, seq, batch, tp, embedding,
                                     microbatches, recompute, hw, rate, fp8):
     """Seconds of one rank's tensor-parallel collectives in a step when each of a layer's
-    sequence-parallel all-gathers and reduce-scatters runs beside the linear layer's
-    product it feeds or drains, as Transformer Engine's comm-GEMM overlap runs them
-    (Megatron-LM's --tp-comm-overlap, NeMo's ub_tp_comm_overlap): only what outlasts that
-    product is exposed. The pairs, per layer and micro-batch, forward: the gather before
-    QKV and before the MLP's first matrix, the reduce-scatter after the output projection
-    and after the second; backward: the gradient's gather with each row-parallel layer's
-    input gradient (dgrad), and for each column-parallel layer the input gathered again
-    beside its dgrad and its gradient's reduce-scatter beside its weight gradient (wgrad,
-    as many FLOPs as the forward); full recomputation repeats the forward's four. The
-    products run at `rate` FLOP/s, their linear layers `fp8` times faster under FP8. Not
-    charged: the SMs the communication takes from the products, and the first of the
-    chunks each pair is cut into, whose transfer nothing hides. The embedding's, the
-    head's and the loss's collectives and the replicated gradients' all-reduce stay
-    exposed."""
-    one = time_model.shard_collective_time(VALUE_BYTES * seq * batch * model.hidden, tp,
-                                           *hw.nvlink)
+    sequence-parallel all-gathers and reduce-scatters runs beside a linear layer's product,
+    as Transformer Engine's comm-GEMM overlap runs them (Megatron-LM's --tp-comm-overlap,
+    NeMo's ub_tp_comm_overlap), approximated as: only what outlasts that product is
+    exposed. Its three methods, per layer and micro-batch:
+      ring_exchange  the all-gathers before QKV and the MLP's first matrix, and of the
+                     gradient before the output projection's and the second matrix's
+                     input-gradient products (dgrad): chunks passed between peers while
+                     the product runs on the chunks already there;
+      pipeline       the reduce-scatters after the output projection and the second
+                     matrix: the product cut into chunks, each reduce-scattered as it is
+                     produced;
+      bulk           for QKV and the first matrix in backward, the input gathered again
+                     (for the weight gradient) whole, beside the dgrad product, and the
+                     dgrad's reduce-scatter whole, beside the weight-gradient product
+                     (wgrad, as many FLOPs as the forward).
+    Full recomputation repeats the forward's four. The products run at `rate` FLOP/s, the
+    linear layers' precision_model.FP8_PEAK_RATIO times faster where `fp8`; an FP8 run
+    also moves its all-gathers and the pipelined reduce-scatters in one byte a value
+    (Transformer Engine's FP8 communication buffers; NeMo's configurations set fp8_buf for
+    the reduce-scatters), the bulk reduce-scatters in two. Not charged: the SMs the
+    transfers take from the products (the pipelined and bulk methods run on some), the
+    last chunk of each pipelined reduce-scatter, which nothing hides, and what cutting a
+    product into chunks costs it. The embedding's, the head's and the loss's collectives
+    and the replicated gradients' all-reduce stay exposed, at their plain times."""
+    speed = precision_model.FP8_PEAK_RATIO if fp8 else 1.0
+    values = seq * batch * model.hidden
+
+    def transfer(value_bytes):
+        return time_model.shard_collective_time(value_bytes * values, tp, *hw.nvlink)
+
+    narrow, wide = transfer(1 if fp8 else VALUE_BYTES), transfer(VALUE_BYTES)
     exposed = 0.0
     for layer in range(first_layer, first_layer + layers):
-        qkv, proj, fc1, fc2 = (flops * batch * seq / tp / rate / fp8
+        qkv, proj, fc1, fc2 = (flops * batch * seq / tp / rate / speed
                                for flops in model.linear_flops_per_token(layer))
-        pairs = [qkv, proj, fc1, fc2] + [fc2, fc1, fc1, proj, qkv, qkv]
-        pairs += [qkv, proj, fc1, fc2] if recompute else []
-        exposed += sum(max(0.0, one - product) for product in pairs)
+        forward = [(narrow, qkv), (narrow, proj), (narrow, fc1), (narrow, fc2)]
+        pairs = forward + [(narrow, fc2), (narrow, proj),            # ring_exchange dgrad
+                           (narrow, fc1), (wide, fc1), (narrow, qkv), (wide, qkv)]   # bulk
+        pairs += forward if recompute else []
+        exposed += sum(max(0.0, comm - product) for comm, product in pairs)
     per_layer = 10 + (4 if recompute else 0)
     everything = comm_model.tensor_parallel_collectives(
         layers, seq, batch, model.hidden, tp, sequence_parallel=True, embedding=embedding,
@@ -729,11 +747,10 @@ def step_time(model, layout, settings, hw):
     # tensor parallelism: the one traffic model (comm_model), the stage with most layers
     tp_s = 0.0
     if tp > 1 and settings.tp_comm_overlap:   # the stage whose exposed traffic is longest
-        fp8_speed = precision_model.FP8_PEAK_RATIO if settings.precision == "fp8" else 1.0
         tp_s = max(tensor_parallel_overlapped_time(
             model, start, count, seq, b, tp, pp == 1, m, recompute == "full", hw, rate,
-            fp8_speed) for _, start, count in stage_spans(split)) * (1 - settings.tp_overlap)
-    elif tp > 1:
+            settings.precision == "fp8") for _, start, count in stage_spans(split))
+    elif tp > 1:   # a stated fraction hidden (--tp-overlap), or none
         tp_s = tensor_parallel_time(max(split), seq, b, model.hidden, tp, pp == 1, m,
                                     recompute == "full", hw) * (1 - settings.tp_overlap)
     # pipeline: an activation forward and its gradient back per micro-batch and chunk; each
