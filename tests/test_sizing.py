@@ -17,12 +17,13 @@ def test_the_zero_papers_example():
     assert got == {"ddp": 120.0, "zero1": 31.4, "zero2": 16.6, "zero3": 1.9}
 
 
-@pytest.mark.parametrize("matmuls", ["bf16", "fp8_activations"])
-def test_the_planner_answers_as_the_command_line_does(capsys, matmuls):
+@pytest.mark.parametrize("matmuls, tp_overlap", [("bf16", "none"), ("fp8_activations", "gemm")])
+def test_the_planner_answers_as_the_command_line_does(capsys, matmuls, tp_overlap):
     fields = {"model": "llama3-70b", "gpus": "256", "global_batch_tokens": "4M",
-              "layout": "tp=8,pp=1,dp=32", "matmuls": matmuls}
+              "layout": "tp=8,pp=1,dp=32", "matmuls": matmuls, "tp_overlap": tp_overlap}
     result = sizing.run(fields)
     assert ("--precision fp8 --fp8-activations" in result["command"]) == (matmuls != "bf16")
+    assert ("--tp-comm-overlap" in result["command"]) == (tp_overlap == "gemm")
     plan.main(result["command"].split()[2:] + ["--json"])
     cli = json.loads(capsys.readouterr().out)
     keys = ("dp", "tp", "pp", "cp", "ep", "chunks", "zero", "micro_batch", "recompute")
@@ -51,6 +52,8 @@ def test_a_mixture_of_experts_preset_is_planned_with_expert_parallelism():
       "gpus": "8"}, "hidden 100 is not divisible by heads 3"),
     ({"model": "gpt5", "gpus": "8"}, "model: choose a preset"),
     ({"model": "llama3-70b", "gpus": "8", "matmuls": "fp4"}, "matrix products: choose from"),
+    ({"model": "llama3-70b", "gpus": "8", "tp_overlap": "all"},
+     "tensor-parallel overlap: choose from"),
 ])
 def test_bad_input_is_one_line(fields, words):
     with pytest.raises(sizing.SizingError) as error:

@@ -39,9 +39,7 @@ class GpuReferences(SphinxDirective):
         if not rows:
             return [nodes.paragraph(text=(
                 "No GPU reference is recorded yet: every figure in this book comes from the "
-                "CPU of the machine that built it. On a GPU box, `make gpu-references` runs "
-                "each chapter's labs with NCCL on every GPU and writes results/<gpu>-x<N>/; "
-                "committed, they appear here and in each chapter's section on a GPU box."))]
+                "CPU of the machine that built it."))]
         return [make_table(["folder", "GPU", "GPUs", "date", "versions", "labs", "failed"],
                            rows, [18, 18, 6, 10, 20, 20, 8])]
 

@@ -97,3 +97,20 @@ def test_the_status_page_gives_the_budget_in_units():
     rows = re.findall(r" (\d+\.\d) (\d+\.\d) (ok|failed)", text)   # seconds, units, status
     assert len(rows) == len(CHAPTERS), rows
     assert all(status == "ok" for *_, status in rows)
+
+
+def test_the_gpu_references_are_listed_or_said_to_be_none():
+    # the status page lists each results/<gpu>-x<N>/ box; each chapter's section on a GPU
+    # box shows its labs' references, or says none is recorded for a lab
+    import sys
+    sys.path.insert(0, str(REPO / "labs"))
+    from labkit.runtime import references
+    boxes = references.boxes()
+    status = " ".join(text_of(page("status")).split())
+    if boxes:
+        assert all(f"results/{folder}" in status for folder, _ in boxes), status
+    else:
+        assert "No GPU reference is recorded yet" in status
+    fsdp = " ".join(text_of(page("fsdp")).split())
+    if not references.references("fsdp"):
+        assert "No GPU reference is recorded for labs/fsdp.py yet" in fsdp

@@ -15,6 +15,8 @@ ZERO_STAGES = memory_model.STRATEGIES
 TOP = 5
 # the form's "matrix products" choice: (plan.py's --precision, --fp8-activations)
 MATMULS = {"bf16": ("bf16", False), "fp8": ("fp8", False), "fp8_activations": ("fp8", True)}
+# the form's "tensor-parallel overlap" choice: plan.py's --tp-comm-overlap, or none
+TP_OVERLAP = {"none": False, "gemm": True}
 
 
 class SizingError(ValueError):
@@ -128,6 +130,9 @@ def run(fields):
     matmuls = str(fields.get("matmuls", "bf16") or "bf16")
     if matmuls not in MATMULS:
         raise SizingError(f"matrix products: choose from {', '.join(MATMULS)}")
+    tp_overlap = str(fields.get("tp_overlap", "none") or "none")
+    if tp_overlap not in TP_OVERLAP:
+        raise SizingError(f"tensor-parallel overlap: choose from {', '.join(TP_OVERLAP)}")
     hw = planner.Hardware(gpus=gpus, gpus_per_node=_whole(fields, "gpus_per_node", 8),
                           gpu_memory_gb=_number(fields, "gpu_memory_gb", 80.0))
     if hw.gpus % hw.gpus_per_node and hw.gpus > hw.gpus_per_node:
@@ -153,7 +158,8 @@ def run(fields):
         return result
     compute_precision, fp8_activations = MATMULS[matmuls]
     settings = planner.Settings(global_batch_tokens=tokens, precision=compute_precision,
-                                fp8_activations=fp8_activations)
+                                fp8_activations=fp8_activations,
+                                tp_comm_overlap=TP_OVERLAP[tp_overlap])
     cp = sorted({1, layout["cp"]}) if layout else [1]
     ep = ([e for e in (1, 2, 4, 8, 16, 32, 64) if model.experts % e == 0]
           if model.experts else None)
@@ -196,4 +202,6 @@ def command_line(fields):
         parts += ["--precision", compute_precision]
     if fp8_activations:
         parts.append("--fp8-activations")
+    if TP_OVERLAP.get(str(fields.get("tp_overlap", "none"))):
+        parts.append("--tp-comm-overlap")
     return " ".join(parts)
