@@ -78,9 +78,11 @@ book: venv
 # The labs and cost models; tests/book checks the built pages, after the book (htmlcheck).
 # Two test files at a time (most of a lab's time is spent starting processes and waiting on
 # its peers), the `timed` ones among them: their bounds come from what the same run
-# measured, so a busy machine widens them instead of failing them.
+# measured, so a busy machine widens them instead of failing them. Files in the order
+# tests/conftest.py gives them, the longest first (--no-loadscope-reorder keeps it).
 pytest: venv
-	$(BIN)/python -m pytest tests --ignore=tests/book -n 2 --dist loadfile --durations=15
+	$(BIN)/python -m pytest tests --ignore=tests/book -n 2 --dist loadfile --no-loadscope-reorder \
+		--durations=15
 
 # The built pages, and the sizing page in Chromium with a local Pyodide (npm's package at
 # the pinned release). Without npm, Chromium or chromedriver the browser test says it skipped.
