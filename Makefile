@@ -86,8 +86,9 @@ pytest: venv
 
 # The built pages, and the sizing page in Chromium with a local Pyodide (npm's package at
 # the pinned release). Without npm, Chromium or chromedriver the browser test says it skipped.
+# Two files at a time: a browser's page loads leave a core idle (their timing bounds are wide).
 htmlcheck: venv pyodide
-	$(BIN)/python -m pytest tests/book -rs
+	$(BIN)/python -m pytest tests/book -rs -n 2 --dist loadfile
 
 # npm's pyodide package, the files the browser needs, in $(PYODIDE) (nothing without npm)
 pyodide: $(PYODIDE)/pyodide.js
