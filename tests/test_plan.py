@@ -128,6 +128,17 @@ def test_one_model_of_tensor_parallel_traffic():
                       else time_model.shard_collective_time(2 * n, tp, *hw.nvlink)
                       for op, n in plan_)
         assert planner.step_time(model, config, settings, hw)["tp"] == pytest.approx(by_hand)
+        # FP8: the layers' gathers in one byte a value (Transformer Engine gathers FP8
+        # inputs and gradients), the head's and embedding's and every reduction in two
+        in_layers = m * layers * (14 if recompute == "full" else 10)
+        fp8_by_hand = by_hand - sum(
+            time_model.shard_collective_time(2 * n, tp, *hw.nvlink)
+            - time_model.shard_collective_time(n, tp, *hw.nvlink)
+            for index, (op, n) in enumerate(plan_)
+            if op == "all_gather" and index % (len(plan_) // m or 1) < in_layers // m)
+        fp8 = planner.Settings(global_batch_tokens=settings.global_batch_tokens,
+                               precision="fp8")
+        assert planner.step_time(model, config, fp8, hw)["tp"] == pytest.approx(fp8_by_hand)
     assert "comm_model.tensor_parallel_collectives(" in CHAPTER.read_text()
 
 
@@ -166,6 +177,19 @@ def test_tensor_parallel_overlap_hides_each_collective_behind_its_own_product():
             exposed[fp8] + outside)
     # the MLP's products hide their collectives; the attention's (h x h and QKV) do not
     assert 0 < exposed[False] and 0 < exposed[True]
+
+    # a mixture-of-experts layer: its experts' collectives stay whole, its attention's hide
+    moe = planner.PRESETS["deepseek-v3"]
+    layer = moe.dense_layers
+    qkv, proj, _, _ = (flops * b * moe.seq / tp / rate
+                       for flops in moe.linear_flops_per_token(layer))
+    one = time_model.shard_collective_time(2 * b * moe.seq * moe.hidden, tp, *hw.nvlink)
+    moe_pairs = [qkv, proj, 0, 0, 0, proj, 0, 0, qkv, qkv]
+    moe_outside = planner.tensor_parallel_time(1, moe.seq, b, moe.hidden, tp, False, 1, False,
+                                               hw) - 10 * one
+    assert planner.tensor_parallel_overlapped_time(
+        moe, layer, 1, moe.seq, b, tp, False, 1, False, hw, rate, False) == pytest.approx(
+        sum(max(0.0, one - p) for p in moe_pairs) + moe_outside)
 
     slow = planner.Hardware(64, nvlink_gb_s=1)   # a link no product can hide
     for hw_ in (hw, slow):

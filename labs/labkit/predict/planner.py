@@ -236,8 +236,9 @@ class Model(HashedOnce):
     def linear_flops_per_token(self, layer):
         """(QKV, output projection, first MLP matrix, second MLP matrix) forward FLOPs per
         token of layer `layer`'s four linear layers, unsplit: 2 x their weights, the MLP's
-        those of the experts a token passes through (top_k routed and the shared ones).
-        These are the products a tensor-parallel collective can overlap with."""
+        those of the experts a token passes through (top_k routed and the shared ones):
+        the products beside which Transformer Engine runs a dense layer's tensor-parallel
+        collectives."""
         h, (_, _, _, out) = self.hidden, self.attention_widths()
         split, _ = self.attention()
         projection = out * h
@@ -382,17 +383,22 @@ def priced(collectives, size, per_node, hw, gather_bytes=VALUE_BYTES, reduce_byt
 
 @functools.lru_cache(maxsize=65536)
 def tensor_parallel_time(layers, seq, batch, hidden, tp, embedding, microbatches, recompute,
-                         hw):
+                         hw, fp8=False):
     """Seconds of one rank's tensor-parallel collectives in a step, sequence parallelism
     on (comm_model.tensor_parallel_collectives: the head's on the stage, the embedding's
-    too when it is the only stage), each at its ring time on NVLink."""
+    too when it is the only stage), each at its ring time on NVLink. With `fp8` the layers'
+    all-gathers carry one byte a value: Transformer Engine casts a linear layer's input,
+    and its output's gradient, to FP8 before gathering them."""
     plan = comm_model.tensor_parallel_collectives(
         layers, seq, batch, hidden, tp, sequence_parallel=True, embedding=embedding,
         head=True, microbatches=1, recompute=recompute)
-    # every micro-batch issues the same list; the replicated gradients' all-reduce
-    # (the last entry) once per step
-    per_micro_batch, once = plan[:-1], plan[-1:]
-    return microbatches * priced(per_micro_batch, tp, tp, hw) + priced(once, tp, tp, hw)
+    # every micro-batch issues the layers' collectives, then the embedding's, the head's
+    # and the loss's; the replicated gradients' all-reduce (the last entry) once per step
+    in_layers = layers * (14 if recompute else 10)
+    layer_part, outside, once = plan[:in_layers], plan[in_layers:-1], plan[-1:]
+    gather = 1 if fp8 else VALUE_BYTES
+    return (microbatches * (priced(layer_part, tp, tp, hw, gather_bytes=gather)
+                            + priced(outside, tp, tp, hw)) + priced(once, tp, tp, hw))
 
 
 @functools.lru_cache(maxsize=65536)
@@ -414,10 +420,12 @@ def tensor_parallel_overlapped_time(model, first_layer, layers, seq, batch, tp, 
                      (for the weight gradient) whole, beside the dgrad product, and the
                      dgrad's reduce-scatter whole, beside the weight-gradient product
                      (wgrad, as many FLOPs as the forward).
-    Full recomputation repeats the forward's four. The products run at `rate` FLOP/s, the
-    linear layers' precision_model.FP8_PEAK_RATIO times faster where `fp8`; an FP8 run
-    also moves its all-gathers and the pipelined reduce-scatters in one byte a value
-    (Transformer Engine's FP8 communication buffers; NeMo's configurations set fp8_buf for
+    Full recomputation repeats the forward's four. A mixture-of-experts layer's MLP
+    collectives stay whole: Transformer Engine's grouped expert layers do not take part in
+    the overlap. The products run at `rate` FLOP/s, the linear layers'
+    precision_model.FP8_PEAK_RATIO times faster where `fp8`; an FP8 run also moves its
+    all-gathers and the pipelined reduce-scatters in one byte a value (Transformer
+    Engine's FP8 communication buffers; NeMo's FP8 overlap configuration sets fp8_buf for
     the reduce-scatters), the bulk reduce-scatters in two. Not charged: the SMs the
     transfers take from the products (the pipelined and bulk methods run on some), the
     last chunk of each pipelined reduce-scatter, which nothing hides, and what cutting a
@@ -434,6 +442,8 @@ def tensor_parallel_overlapped_time(model, first_layer, layers, seq, batch, tp, 
     for layer in range(first_layer, first_layer + layers):
         qkv, proj, fc1, fc2 = (flops * batch * seq / tp / rate / speed
                                for flops in model.linear_flops_per_token(layer))
+        if model.experts and layer >= model.dense_layers:
+            fc1 = fc2 = 0.0   # nothing hides the experts' collectives
         forward = [(narrow, qkv), (narrow, proj), (narrow, fc1), (narrow, fc2)]
         pairs = forward + [(narrow, fc2), (narrow, proj),            # ring_exchange dgrad
                            (narrow, fc1), (wide, fc1), (narrow, qkv), (wide, qkv)]   # bulk
@@ -752,7 +762,8 @@ def step_time(model, layout, settings, hw):
             settings.precision == "fp8") for _, start, count in stage_spans(split))
     elif tp > 1:   # a stated fraction hidden (--tp-overlap), or none
         tp_s = tensor_parallel_time(max(split), seq, b, model.hidden, tp, pp == 1, m,
-                                    recompute == "full", hw) * (1 - settings.tp_overlap)
+                                    recompute == "full", hw, settings.precision == "fp8") \
+            * (1 - settings.tp_overlap)
     # pipeline: an activation forward and its gradient back per micro-batch and chunk; each
     # tensor-parallel rank sends its own 1/tp of the tokens (sequence parallelism splits
     # them, as Megatron-LM's scatter/gather does without it) of its s/cp
