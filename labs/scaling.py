@@ -74,7 +74,10 @@ LEARNING_RATE = 0.1
 # timing
 STEPS = 8              # timed steps (also repeats of the compute and communication timings)
 WARMUP = 2             # untimed first steps: allocation, DDP's bucket rebuild, connections
-SWEEP_BYTES = (16 << 10, 256 << 10, 1 << 20, 4 << 20)  # all-reduce sizes for alpha-beta
+# all-reduce sizes for alpha-beta: up to 16 MiB, so that on gloo the largest takes several
+# times the milliseconds a busy 2-core machine adds to a small one (at 4 MiB the slope was
+# sometimes lost in that noise)
+SWEEP_BYTES = (16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 
 def collectives(model, strategy, world_size):
     """[(op, bytes)] one step issues, in order: DDP's bucket all-reduces, last layer first;
@@ -124,7 +127,8 @@ def fit_link(env, repeats, group=None):
         buffer = torch.zeros(size // 4, device=env.device)
         runs = [timing.timed(env.device, lambda: dist.all_reduce(buffer, group=group), group)
                 for _ in range(WARMUP + repeats)]
-        times.append(statistics.median(runs[WARMUP:]))
+        # the fastest: the link's own time; a slower repeat is the machine's other work
+        times.append(min(runs[WARMUP:]))
     try:
         return (*comm_model.fit_alpha_beta(list(SWEEP_BYTES), times, n), None)
     except ValueError as error:
