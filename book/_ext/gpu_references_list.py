@@ -29,11 +29,9 @@ class GpuReferences(SphinxDirective):
             # the versions and date as the first lab that ran wrote them
             first = next((json.loads((results / folder / f"{lab}.json").read_text())
                           ["reference"] for lab in ran), {})
-            versions = ", ".join(f"{name} {first[key]}" for name, key in (
-                ("driver", "driver_version"), ("CUDA", "cuda_version"),
-                ("NCCL", "nccl_version"), ("torch", "torch_version")) if first.get(key))
             rows.append([f"results/{folder}", summary.get("gpu") or "CPU",
-                         summary["world_size"], first.get("date", "-")[:10], versions or "-",
+                         summary["world_size"], first.get("date", "-")[:10],
+                         references.versions(first) or "-",
                          ", ".join(ran) or "-", ", ".join(failed) or "-"])
             self.env.note_dependency(str(results / folder / "summary.json"))
         if not rows:

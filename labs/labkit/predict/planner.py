@@ -389,16 +389,23 @@ def tensor_parallel_time(layers, seq, batch, hidden, tp, embedding, microbatches
     too when it is the only stage), each at its ring time on NVLink. With `fp8` the layers'
     all-gathers carry one byte a value: Transformer Engine casts a linear layer's input,
     and its output's gradient, to FP8 before gathering them."""
-    plan = comm_model.tensor_parallel_collectives(
-        layers, seq, batch, hidden, tp, sequence_parallel=True, embedding=embedding,
-        head=True, microbatches=1, recompute=recompute)
-    # every micro-batch issues the layers' collectives, then the embedding's, the head's
-    # and the loss's; the replicated gradients' all-reduce (the last entry) once per step
-    in_layers = layers * (14 if recompute else 10)
-    layer_part, outside, once = plan[:in_layers], plan[in_layers:-1], plan[-1:]
+    layer_part, outside, once = tensor_parallel_plan(layers, seq, batch, hidden, tp,
+                                                     embedding, recompute)
     gather = 1 if fp8 else VALUE_BYTES
     return (microbatches * (priced(layer_part, tp, tp, hw, gather_bytes=gather)
                             + priced(outside, tp, tp, hw)) + priced(once, tp, tp, hw))
+
+
+def tensor_parallel_plan(layers, seq, batch, hidden, tp, embedding, recompute):
+    """comm_model.tensor_parallel_collectives of one micro-batch with sequence parallelism,
+    in three parts: the layers' (10 a layer, 14 recomputing), the embedding's, the head's
+    and the loss's (every micro-batch issues both), and the replicated gradients'
+    all-reduce (once per step)."""
+    plan = comm_model.tensor_parallel_collectives(
+        layers, seq, batch, hidden, tp, sequence_parallel=True, embedding=embedding,
+        head=True, microbatches=1, recompute=recompute)
+    in_layers = layers * (14 if recompute else 10)
+    return plan[:in_layers], plan[in_layers:-1], plan[-1:]
 
 
 @functools.lru_cache(maxsize=65536)
@@ -449,13 +456,8 @@ def tensor_parallel_overlapped_time(model, first_layer, layers, seq, batch, tp, 
                            (narrow, fc1), (wide, fc1), (narrow, qkv), (wide, qkv)]   # bulk
         pairs += forward if recompute else []
         exposed += sum(max(0.0, comm - product) for comm, product in pairs)
-    per_layer = 10 + (4 if recompute else 0)
-    everything = comm_model.tensor_parallel_collectives(
-        layers, seq, batch, model.hidden, tp, sequence_parallel=True, embedding=embedding,
-        head=True, microbatches=1, recompute=recompute)
-    # what is not a layer's: the embedding's, the head's and the loss's, once per
-    # micro-batch, and the replicated gradients' all-reduce once per step
-    outside, once = everything[layers * per_layer:-1], everything[-1:]
+    _, outside, once = tensor_parallel_plan(layers, seq, batch, model.hidden, tp, embedding,
+                                            recompute)
     return microbatches * (exposed + priced(outside, tp, tp, hw)) + priced(once, tp, tp, hw)
 
 

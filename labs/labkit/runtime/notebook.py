@@ -8,6 +8,8 @@
                  (and, in .output, all it printed)
   glue           put a number computed in a cell into the prose, {glue:text}`name`
   table          a Markdown table from a header and rows
+  gpu_references the GPU references of some labs under results/, each figure beside its
+                 prediction, or a line saying none is recorded (labkit.runtime.references)
   format_bytes, format_percent, format_seconds   numbers written as a person would
   LABS           the labs folder, for a process that needs the path (ipyparallel engines)
 
@@ -23,11 +25,12 @@ import numpy as np
 from IPython.display import Markdown
 from myst_nb import glue as _myst_glue
 
+from . import references
 from .launch import LABS_DIR as LABS
 from .launch import LabError, run_lab
 
 __all__ = ["LABS", "Markdown", "lab_failure", "format_bytes", "format_percent", "format_seconds", "glue",
-           "np", "plt", "run_lab", "table"]
+           "gpu_references", "np", "plt", "run_lab", "table"]
 
 # A 6-inch figure at 144 dots per inch is 864 pixels wide: sharp on a desktop page, and
 # on a phone, shrunk to about 360 pixels, 10.5-point text is still about 9 pixels tall.
@@ -67,6 +70,11 @@ def table(header, rows):
     lines = ["| " + " | ".join(map(keep_whole, header)) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(keep_whole(cell) for cell in row) + " |" for row in rows]
     return Markdown("\n".join(lines))
+
+
+def gpu_references(*labs):
+    """The "On a GPU box" section's references of `labs` (make gpu-references), as Markdown."""
+    return Markdown("\n\n".join(references.section(lab) for lab in labs))
 
 
 def keep_whole(cell):

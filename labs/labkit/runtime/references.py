@@ -111,14 +111,18 @@ def _distance(measured, predicted):
     return abs(measured / predicted - 1)
 
 
-def describe(reference):
-    """What a box ran on, in one sentence."""
-    versions = ", ".join(f"{name} {reference[key]}" for name, key in (
+def versions(reference):
+    """'driver …, CUDA …, NCCL …, torch …', those the reference records."""
+    return ", ".join(f"{name} {reference[key]}" for name, key in (
         ("driver", "driver_version"), ("CUDA", "cuda_version"), ("NCCL", "nccl_version"),
         ("torch", "torch_version")) if reference.get(key))
+
+
+def describe(reference):
+    """What a box ran on, in one sentence."""
     gpu = reference.get("gpu") or "CPU"
     return (f"{reference['world_size']} × {gpu}, {reference['backend']}, "
-            f"{reference['date'][:10]} ({versions}): `{reference['command']}`")
+            f"{reference['date'][:10]} ({versions(reference)}): `{reference['command']}`")
 
 
 def section(lab, results=None):
