@@ -19,6 +19,10 @@ NVLINK_LINE_RATE = 450e9       # bytes/s per direction per GPU
 NIC_LINE_RATE = 50e9           # bytes/s, 400 Gb/s
 H100_BF16_FLOPS = 989e12       # dense bf16 peak of the H100 SXM, FLOP/s
 H100_NVL_BF16_FLOPS = 835e12   # the H100 NVL's: 1,671 TFLOP/s with sparsity, halved (datasheet)
+# The memory nvidia-smi reports as an H100 80GB's total, 85.5 GB: the planner fits layouts
+# in the nominal 80 GB, leaving the rest to the CUDA context, NCCL and fragmentation
+# (modal-labs/modal-client issue 2797 shows the figure)
+H100_80GB_REPORTED_MIB = 81_559
 UTILIZATION = 0.40             # model FLOPs utilization of well-tuned training
 
 # The DGX A100 servers of Selene, on which Narayanan et al. (2021, section 5) and Korthikanti
