@@ -32,6 +32,13 @@ A100_NVLINK_LINE_RATE = 300e9  # bytes/s per direction per GPU: 600 GB/s both wa
 HDR_NIC_LINE_RATE = 25e9       # bytes/s, 200 Gb/s
 A100_BF16_FLOPS = 312e12       # dense bf16 peak of the A100, FLOP/s (A100 datasheet)
 
+# Maximum achievable matmul FLOPS (MAMF): the fastest bf16 matrix product a search over
+# shapes reached on each GPU (Bekman's ML Engineering book, its MAMF table, CUDA 12.1):
+# 85.9 % of the A100's peak, 80.1 % of the H100's. The planner's compute efficiency is
+# one fraction of the peak for both; the 5-D chapter tests taking it against these instead
+A100_MAMF_FLOPS = 267.9e12
+H100_MAMF_FLOPS = 792.1e12
+
 # Model FLOPs utilization published for H100 training: Llama 3 405B, Table 4 of Dubey et al.
 # (2024): 43 % on 8,192 GPUs, 41 % on 16,384, 38 % on 16,384 with 131,072-token sequences.
 LLAMA3_H100_MFU = (0.38, 0.43)
