@@ -433,6 +433,12 @@ def test_the_end_stages_give_up_layers_and_schedules_must_be_able_to_run(capsys)
     assert "whole number of layers" in planner.why_not(
         planner.Model(10, 256, 4, 128, 1000), layout(dp=1, tp=1, pp=2, chunks=4),
         settings, planner.Hardware(2))
+    # the last stage runs the logits' product, 6 V h per token, whether or not the head
+    # shares the embedding's weights (tying saves memory, not the product)
+    gpt = planner.Model(8, 256, 4, 128, 1000)
+    for model in (gpt, dataclasses_replace(gpt, tied=True)):
+        first, *_, last = planner.stage_flops(model, (4, 4))
+        assert last - first == 6 * model.vocab * model.hidden
     plan.main(["--model", "llama3-405b", "--gpus", "16384", "--global-batch-tokens", "16M",
                "--layout", "tp=8,pp=16,dp=128", "--json"])
     mine = json.loads(capsys.readouterr().out)["layout"]
@@ -557,6 +563,10 @@ def test_flop_conventions_by_hand():
     assert flops(layers, hidden, seq, vocab, "attention") == 6 * psi + 12 * layers * hidden * seq
     by_hand = 4 * layers * (24 * hidden ** 2 + 4 * seq * hidden) + 3 * 2 * vocab * hidden
     assert flops(layers, hidden, seq, vocab, "megatron") == pytest.approx(by_hand)
+    tied = memory_model.transformer_params(layers, hidden, vocab, seq, tied_head=True)
+    assert psi - tied == vocab * hidden
+    assert flops(layers, hidden, seq, vocab, "attention", tied_head=True) \
+        == 6 * tied + 12 * layers * hidden * seq
     model = planner.Model(layers, hidden, 4, seq, vocab)
     settings, hw = planner.Settings(global_batch_tokens=seq * 8), planner.Hardware(8)
     ratio = planner.mfu(model, settings, hw, 1.0, True) / planner.mfu(model, settings, hw, 1.0)

@@ -19,10 +19,13 @@ NVLINK_LINE_RATE = 450e9       # bytes/s per direction per GPU
 NIC_LINE_RATE = 50e9           # bytes/s, 400 Gb/s
 H100_BF16_FLOPS = 989e12       # dense bf16 peak of the H100 SXM, FLOP/s
 H100_NVL_BF16_FLOPS = 835e12   # the H100 NVL's: 1,671 TFLOP/s with sparsity, halved (datasheet)
-# The memory nvidia-smi reports as an H100 80GB's total, 85.5 GB: the planner fits layouts
-# in the nominal 80 GB, leaving the rest to the CUDA context, NCCL and fragmentation
-# (modal-labs/modal-client issue 2797 shows the figure)
+# The memory nvidia-smi reports as an H100 80GB's total, 85.5 GB ("0MiB / 81559MiB" in
+# NVIDIA/nccl issue 1264), and the total CUDA gives PyTorch, 79.11 GiB (84.9 GB: what
+# torch.cuda.OutOfMemoryError prints as the GPU's "total capacity" on an H100 80GB): the
+# planner fits layouts in the nominal 80 GB, leaving the rest to the CUDA context, NCCL
+# and fragmentation
 H100_80GB_REPORTED_MIB = 81_559
+H100_80GB_CUDA_GIB = 79.11
 UTILIZATION = 0.40             # model FLOPs utilization of well-tuned training
 
 # The DGX A100 servers of Selene, on which Narayanan et al. (2021, section 5) and Korthikanti
@@ -33,7 +36,8 @@ HDR_NIC_LINE_RATE = 25e9       # bytes/s, 200 Gb/s
 A100_BF16_FLOPS = 312e12       # dense bf16 peak of the A100, FLOP/s (A100 datasheet)
 
 # Maximum achievable matmul FLOPS (MAMF): the fastest bf16 matrix product a search over
-# shapes reached on each GPU (Bekman's ML Engineering book, its MAMF table, CUDA 12.1):
+# shapes reached on one GPU (Bekman's ML Engineering book, its first MAMF table, CUDA 12.1;
+# a rough figure that rises with the software):
 # 85.9 % of the A100's peak, 80.1 % of the H100's. The planner's compute efficiency is
 # one fraction of the peak for both; the 5-D chapter tests taking it against these instead
 A100_MAMF_FLOPS = 267.9e12

@@ -102,9 +102,10 @@ def transformer_params(layers, hidden, vocab, seq, tied_head=False):
 FLOP_CONVENTIONS = ("6psi", "attention", "megatron")
 
 
-def flops_per_token(layers, hidden, seq, vocab, convention="6psi"):
+def flops_per_token(layers, hidden, seq, vocab, convention="6psi", tied_head=False):
     """Training FLOPs per token of the course's transformer, counted by `convention`: a
-    throughput in TFLOP/s means nothing until one knows which.
+    throughput in TFLOP/s means nothing until one knows which. tied_head: the output head
+    shares the token embedding's weights, and 6 psi counts them once.
 
       6psi       6 x transformer_params: 2 per parameter forward, 4 backward (Kaplan et al.,
                  2020). The course's time model and the planner's MFU count this.
@@ -118,9 +119,10 @@ def flops_per_token(layers, hidden, seq, vocab, convention="6psi"):
                  and the embedding lookup not at all.
     """
     if convention == "6psi":
-        return 6 * transformer_params(layers, hidden, vocab, seq)
+        return 6 * transformer_params(layers, hidden, vocab, seq, tied_head)
     if convention == "attention":
-        return 6 * transformer_params(layers, hidden, vocab, seq) + 12 * layers * hidden * seq
+        return (6 * transformer_params(layers, hidden, vocab, seq, tied_head)
+                + 12 * layers * hidden * seq)
     if convention == "megatron":
         return 96 * layers * hidden ** 2 * (1 + seq / (6 * hidden)
                                             + vocab / (16 * layers * hidden))

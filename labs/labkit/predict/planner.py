@@ -541,7 +541,7 @@ def stage_flops(model, split, flash=True):
     for count in split:
         stages.append(sum(layer_flops(i) for i in range(start, start + count)))
         start += count
-    stages[-1] += 6 * model.vocab * model.hidden * (0 if model.tied else 1)
+    stages[-1] += 6 * model.vocab * model.hidden   # the logits' product, tied weights or not
     return stages
 
 
