@@ -20,7 +20,7 @@ NIC_LINE_RATE = 50e9           # bytes/s, 400 Gb/s
 H100_BF16_FLOPS = 989e12       # dense bf16 peak of the H100 SXM, FLOP/s
 H100_NVL_BF16_FLOPS = 835e12   # the H100 NVL's: 1,671 TFLOP/s with sparsity, halved (datasheet)
 # The memory nvidia-smi reports as an H100 80GB's total, 85.5 GB ("0MiB / 81559MiB" in
-# NVIDIA/nccl issue 1264), and the total CUDA gives PyTorch, 79.11 GiB (84.9 GB: what
+# NVIDIA/nccl issue 1264), and the total CUDA reports, 79.11 GiB (84.9 GB: what
 # torch.cuda.OutOfMemoryError prints as the GPU's "total capacity" on an H100 80GB): the
 # planner fits layouts in the nominal 80 GB, leaving the rest to the CUDA context, NCCL
 # and fragmentation
