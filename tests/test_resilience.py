@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -36,35 +37,55 @@ def test_a_run_that_never_saves_still_reports(script, tmp_path):
     assert result["max_param_diff_resumed_with_ddp_buckets"] == 0.0   # one rank: no sums
 
 
-def launch_two_nodes(tmp_path, env_extra):
+def start_two_nodes(folder, env_extra):
     """Two torchrun agents on this machine as two nodes of one rank each, meeting through a
     c10d rendezvous, with one restart each (a per-node budget). Rank 1, on the second node,
     crashes at step 3 while rank 0 sleeps outside any collective: the first node's agent
     then stops its worker for the new round (a membership change, counted as no restart
-    there), the second node's agent restarts its crashed one (counted). Returns each
-    agent's (exit status, output) and rank 0's JSON."""
+    there), the second node's agent restarts its crashed one (counted). Returns the two
+    agents, started, and where rank 0 writes its JSON."""
     from labkit.runtime.launch import free_port
-    port, out = free_port(), tmp_path / "result.json"
+    port, out = free_port(), folder / "result.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", **env_extra)
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
                "--nproc_per_node=1", "--max-restarts=1", "--rdzv-backend=c10d",
                f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two-nodes",
-               str(LABS / "resilience.py"), "--dir", str(tmp_path / "ckpt"), "--steps", "6",
+               str(LABS / "resilience.py"), "--dir", str(folder / "ckpt"), "--steps", "6",
                "--every", "2", "--fail-at-step", "3", "--fail-rank", "1",
                "--survivors-busy-s", "5", "--timeout", "60", "--out", str(out)]
     agents = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True) for _ in range(2)]
-    outputs = [agent.communicate(timeout=240)[0] for agent in agents]
-    return [(agent.returncode, text) for agent, text in zip(agents, outputs)], out
+    return agents, out
 
 
-@pytest.mark.parametrize("share_store", ["0", "1"], ids=["agent-store", "own-store"])
-def test_two_nodes_restart_as_one_group_when_one_node_fails(tmp_path, share_store):
+STORES = {"agent-store": "0", "own-store": "1"}   # TORCH_DISABLE_SHARE_RDZV_TCP_STORE
+
+
+@pytest.fixture(scope="module")
+def two_node_jobs(tmp_path_factory):
+    """Both jobs at once, one per store setting, on ports of their own: most of each is
+    waiting (rank 0's busy sleep, the rendezvous of the new round), so side by side they
+    take little longer than one. {store: ([(exit status, output) per agent], JSON path)}"""
+    started = {}
+    for store, disable in STORES.items():
+        folder = tmp_path_factory.mktemp(store)
+        started[store] = start_two_nodes(folder, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": disable})
+    with ThreadPoolExecutor() as pool:   # every agent's output read as it comes
+        outputs = {store: [pool.submit(agent.communicate, timeout=240) for agent in agents]
+                   for store, (agents, _) in started.items()}
+        texts = {store: [reading.result()[0] for reading in readings]
+                 for store, readings in outputs.items()}
+    return {store: ([(agent.returncode, text) for agent, text in zip(agents, texts[store])], out)
+            for store, (agents, out) in started.items()}
+
+
+@pytest.mark.parametrize("store", list(STORES))
+def test_two_nodes_restart_as_one_group_when_one_node_fails(two_node_jobs, store):
     """torch's default (the agents' store shared with the workers, kept across restarts)
     and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a new store for each start). The new group
     forms at once, with no second failure, and resumes bit-identically; restart_count is the
     job's, though the two agents count 0 and 1."""
-    agents, out = launch_two_nodes(tmp_path, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": share_store})
+    agents, out = two_node_jobs[store]
     for status, text in agents:
         assert status == 0, text
     logs = "".join(text for _, text in agents)
