@@ -29,6 +29,8 @@ Launch lines (from the repository root):
 configurations fastest first, each {dp, tp, pp, cp, ep, chunks, zero, micro_batch,
 microbatches, recompute, checkpointing (recompute == full), sequence_parallel,
 stage_layers (the layers of each pipeline stage: the planner takes up to two off each end),
+chunk_layers when interleaved (the layers of each of the pp x chunks virtual stages, in order,
+virtual stage j on stage j mod pp: an end chunk may hold only the embedding or the head),
 memory_bytes {params, grads, optimizer, states, activations, logits, total, stage},
 time_s {compute, recompute, bubble, tp, pp, dp, cp, ep, step}, tokens_per_s_per_gpu,
 mfu, mfu_with_attention}. With --layout it adds `layout`: that layout's best
@@ -293,6 +295,9 @@ def main(argv=None):
             print(header)
             print(describe(mine))
             print(f"its stages hold {', '.join(map(str, mine['stage_layers']))} layers")
+            if "chunk_layers" in mine:
+                print(f"in {mine['chunks']} chunks each, the virtual stages in order hold "
+                      f"{', '.join(map(str, mine['chunk_layers']))}")
     if not found:
         sys.exit(1)
 

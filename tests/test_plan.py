@@ -5,6 +5,7 @@ model; recomputation, fused attention, interleaving, context and expert parallel
 memory and time the way their definitions say; --layout ranks one layout; and neither the
 planner nor the cost models import torch."""
 
+import dataclasses
 import json
 import math
 import random
@@ -70,7 +71,13 @@ def test_every_configuration_uses_all_gpus_fits_and_is_ranked(capsys, argv):
         assert (c["dp"] * c["cp"]) % c["ep"] == 0 and (model["experts"] or 1) % c["ep"] == 0
         assert hw["gpus_per_node"] % c["tp"] == 0   # tp inside a node
         assert c["dp"] * c["micro_batch"] * c["microbatches"] == sequences
-        assert c["pp"] * c["chunks"] <= model["layers"]
+        assert sum(c["stage_layers"]) == model["layers"] and len(c["stage_layers"]) == c["pp"]
+        if c["chunks"] > 1:   # a layer in every chunk but the two end ones, which may hold none
+            chunks = c["chunk_layers"]
+            assert len(chunks) == c["pp"] * c["chunks"] and min(chunks[1:-1]) >= 1
+            assert [sum(chunks[r::c["pp"]]) for r in range(c["pp"])] == c["stage_layers"]
+        else:
+            assert min(c["stage_layers"]) >= 1 and "chunk_layers" not in c
         assert c["memory_bytes"]["total"] <= limit
         assert c["recompute"] in planner.RECOMPUTE and c["checkpointing"] == (
             c["recompute"] == "full")
@@ -84,13 +91,18 @@ def test_every_configuration_uses_all_gpus_fits_and_is_ranked(capsys, argv):
 def test_memory_equals_the_memory_calculator_for_the_courses_model(capsys):
     """For the course's GPT-style model, without dropout and without a fused attention,
     the planner's bytes on the fullest GPU are the memory calculator's (labs/memory.py
-    predict), with and without full recomputation."""
+    predict), with and without full recomputation; under ZeRO-3 the planner adds the layer
+    gathered whole while it runs, 16-bit weights and gradients (DeepSpeed's 4 bytes a
+    parameter of the largest layer), which the calculator's model states leave out."""
     argv = [*SHAPE_70B, "--gpus", "256", "--global-batch-tokens", "4M",
             "--no-flash-attention", "--recompute", "none"]
     shape = SHAPE_70B
     for recompute in ("none", "full"):
         argv[-1] = recompute
-        configurations = planned(capsys, argv)["configurations"]
+        result = planned(capsys, argv)
+        configurations = result["configurations"]
+        model = planner.Model(**{k: v for k, v in result["model"].items()
+                                 if k in {f.name for f in dataclasses.fields(planner.Model)}})
         sample = [c for c in configurations if c["chunks"] == 1][:3] + random.Random(0).sample(
             [c for c in configurations if c["chunks"] == 1], 6)
         for c in sample:
@@ -101,7 +113,8 @@ def test_memory_equals_the_memory_calculator_for_the_courses_model(capsys):
                         + (["--sequence-parallel"] if c["tp"] > 1 else []))
             row = json.loads(capsys.readouterr().out)[c["zero"]]
             key = "per_gpu_checkpointed" if recompute == "full" else "per_gpu"
-            assert row[key] == c["memory_bytes"]["total"], c
+            gathered = 4 * sum(model.layer_params(0, c["tp"])) if c["zero"] == "zero3" else 0
+            assert row[key] + gathered == c["memory_bytes"]["total"], c
 
 
 def test_one_model_of_tensor_parallel_traffic():
@@ -173,7 +186,7 @@ def test_tensor_parallel_overlap_hides_each_collective_behind_its_own_product():
                  (narrow, fc1), (wide, fc1), (narrow, qkv), (wide, qkv)]        # bulk
         exposed[fp8] = sum(max(0.0, comm - product) for comm, product in pairs)
         assert planner.tensor_parallel_overlapped_time(
-            model, 0, 1, seq, b, tp, False, 1, False, hw, rate, fp8) == pytest.approx(
+            model, ((0, 1),), seq, b, tp, False, 1, False, hw, rate, fp8) == pytest.approx(
             exposed[fp8] + outside)
     # the MLP's products hide their collectives; the attention's (h x h and QKV) do not
     assert 0 < exposed[False] and 0 < exposed[True]
@@ -188,7 +201,7 @@ def test_tensor_parallel_overlap_hides_each_collective_behind_its_own_product():
     moe_outside = planner.tensor_parallel_time(1, moe.seq, b, moe.hidden, tp, False, 1, False,
                                                hw) - 10 * one
     assert planner.tensor_parallel_overlapped_time(
-        moe, layer, 1, moe.seq, b, tp, False, 1, False, hw, rate, False) == pytest.approx(
+        moe, ((layer, 1),), moe.seq, b, tp, False, 1, False, hw, rate, False) == pytest.approx(
         sum(max(0.0, one - p) for p in moe_pairs) + moe_outside)
 
     slow = planner.Hardware(64, nvlink_gb_s=1)   # a link no product can hide
@@ -196,7 +209,7 @@ def test_tensor_parallel_overlap_hides_each_collective_behind_its_own_product():
         for recompute in (False, True):
             plain = planner.tensor_parallel_time(8, seq, b, h, tp, False, 4, recompute, hw_)
             hidden = planner.tensor_parallel_overlapped_time(
-                model, 0, 8, seq, b, tp, False, 4, recompute, hw_, rate, False)
+                model, ((0, 8),), seq, b, tp, False, 4, recompute, hw_, rate, False)
             assert hidden < plain
             if hw_ is slow:   # each collective outlasts its product by that product's time
                 qkv, proj, fc1, fc2 = (flops * b * seq / tp / rate
@@ -369,7 +382,6 @@ def test_context_parallelism_splits_activations_and_hides_its_ring_on_long_seque
 
 
 def dataclasses_replace(model, **changes):
-    import dataclasses
     return dataclasses.replace(model, **changes)
 
 
@@ -417,22 +429,51 @@ def test_latent_attention_attends_in_its_own_head_widths():
 def test_the_end_stages_give_up_layers_and_schedules_must_be_able_to_run(capsys):
     """Llama 3 405B on 16 stages: the cut the planner chooses is the one Llama 3 ran, a
     layer off each end stage (Dubey et al., 2024, section 3.3.2), since the last one also
-    runs the head; interleaving needs a whole number of layers per chunk and, as in
-    Megatron-LM, micro-batches in multiples of pp; --layout says the cut."""
+    runs the head; interleaved, its end chunks hold only the embedding and the head, as
+    Llama 3's did, and Megatron-Bridge's DeepSeek-V3 layout on H100s comes out as
+    published; a layer in every other chunk and, as in Megatron-LM, micro-batches in
+    multiples of pp; --layout says the cut."""
     llama405 = planner.PRESETS["llama3-405b"]
     assert planner.stage_split(llama405, 16) == (7,) + (8,) * 14 + (7,)
     even = tuple(memory_model.stage_layers(126, 16))
     llama3_cut = (7,) + (8,) * 14 + (7,)
     flops = {cut: max(planner.stage_flops(llama405, cut)) for cut in (even, llama3_cut)}
     assert flops[llama3_cut] < flops[even]
-    assert all(count % 2 == 0 for count in planner.stage_split(llama405, 16, 2))
-    assert planner.stage_split(planner.Model(10, 256, 4, 128, 1000), 2, 4) is None
+    # interleaved: 8 chunks of a layer, the first and last with none (section 3.3.2)
+    assert planner.chunk_split(llama405, 16, 8) == (0,) + (1,) * 126 + (0,)
+    assert planner.stage_split(llama405, 16, 8) == (7,) + (8,) * 14 + (7,)
+    # Megatron-Bridge's DeepSeek-V3 on 1,024 H100s: pp 8 x v 4, embedding + 1 layer,
+    # 30 x 2, the multi-token prediction and loss (not modelled) with no layer
+    assert planner.chunk_split(planner.PRESETS["deepseek-v3"], 8, 4) == (1,) + (2,) * 30 + (0,)
+    # a rank holds the layers of its chunks: DeepSeek-V3's first rank, layer 0 (dense) and
+    # six MoE layers, not the first seven (three dense), so more of the experts' weights
+    deepseek = planner.PRESETS["deepseek-v3"]
+    assert planner.stage_spans(planner.chunk_split(deepseek, 8, 4), 4)[0] == (
+        0, ((0, 1), (15, 2), (31, 2), (47, 2)))
+    held = {v: planner.stage_footprints(deepseek, planner.chunk_split(deepseek, 8, v), 1, 8,
+                                        8, "zero1", "none", True, chunks=v)[0][0]["params"]
+            for v in (1, 4)}
+    assert planner.stage_split(deepseek, 8, 1)[0] == planner.stage_split(deepseek, 8, 4)[0] == 7
+    assert held[4] > held[1]
+    assert planner.most_moe_layers(deepseek, planner.chunk_split(deepseek, 8, 4), 4) == 8
+    # 7 layers a rank in 2 chunks: chunks of 3 and 4, every rank the same work
+    gpt462 = planner.Model(112, 18432, 144, 4096, 131072)
+    cut = planner.chunk_split(gpt462, 16, 2)
+    assert sorted(set(cut)) == [3, 4] and planner.stage_split(gpt462, 16, 2) == (7,) * 16
+    assert planner.stage_imbalance(gpt462, cut, True, 2) == planner.stage_imbalance(
+        gpt462, planner.chunk_split(gpt462, 16), True, 1)
+    # each rank's chunks: the virtual stages r, r + pp, ... in order
+    assert planner.stage_spans((1, 2, 3, 4), 2) == [(0, ((0, 1), (3, 3))), (1, ((1, 2), (6, 4)))]
+    ten = planner.Model(10, 256, 4, 128, 1000)   # 2 x 4 chunks of 10 layers: 5 a rank,
+    assert planner.stage_split(ten, 2, 4) == (5, 5)     # the head's chunk the smallest
+    assert planner.chunk_split(ten, 2, 4)[-1] == min(planner.chunk_split(ten, 2, 4)[1::2])
+    assert planner.stage_split(planner.Model(10, 256, 4, 128, 1000), 4, 4) is None   # 16 > 12
     hw, settings = planner.Hardware(16384), planner.Settings(global_batch_tokens=16 * 2 ** 20)
     assert "a multiple of pp 16" in planner.why_not(
         llama405, layout(dp=128, pp=16, chunks=2, microbatches=24), settings, hw)
-    assert "whole number of layers" in planner.why_not(
-        planner.Model(10, 256, 4, 128, 1000), layout(dp=1, tp=1, pp=2, chunks=4),
-        settings, planner.Hardware(2))
+    assert "more than the 10 layers and two end chunks without one" in planner.why_not(
+        planner.Model(10, 256, 4, 128, 1000), layout(dp=1, tp=1, pp=4, chunks=4),
+        settings, planner.Hardware(4))
     # the last stage runs the logits' product, 6 V h per token, whether or not the head
     # shares the embedding's weights (tying saves memory, not the product)
     gpt = planner.Model(8, 256, 4, 128, 1000)

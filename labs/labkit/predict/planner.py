@@ -47,6 +47,7 @@ most in FP8 (Model.layer_activation_values). The MFU reported stays against the 
 
 import dataclasses
 import functools
+import itertools
 import math
 from collections import Counter
 
@@ -409,7 +410,7 @@ def tensor_parallel_plan(layers, seq, batch, hidden, tp, embedding, recompute):
 
 
 @functools.lru_cache(maxsize=65536)
-def tensor_parallel_overlapped_time(model, first_layer, layers, seq, batch, tp, embedding,
+def tensor_parallel_overlapped_time(model, spans, seq, batch, tp, embedding,
                                     microbatches, recompute, hw, rate, fp8):
     """Seconds of one rank's tensor-parallel collectives in a step when each of a layer's
     sequence-parallel all-gathers and reduce-scatters runs beside a linear layer's product,
@@ -446,7 +447,8 @@ def tensor_parallel_overlapped_time(model, first_layer, layers, seq, batch, tp, 
 
     narrow, wide = transfer(1 if fp8 else VALUE_BYTES), transfer(VALUE_BYTES)
     exposed = 0.0
-    for layer in range(first_layer, first_layer + layers):
+    layers = sum(count for _, count in spans)   # the rank's, over its chunks ((first, count))
+    for layer in (i for start, count in spans for i in range(start, start + count)):
         qkv, proj, fc1, fc2 = (flops * batch * seq / tp / rate / speed
                                for flops in model.linear_flops_per_token(layer))
         if model.experts and layer >= model.dense_layers:
@@ -478,44 +480,73 @@ def stage_params(model, first_layer, layers, tp, ep, first, last, matrices_only=
     """(dense, expert) parameters one rank of a stage holds: `layers` layers from
     `first_layer`, the embedding if `first`, the final norm and head if `last`;
     matrices_only: the layers' linear weights alone (Model.layer_params)."""
+    return rank_params(model, ((first_layer, layers),), tp, ep, first, last, matrices_only)
+
+
+@functools.lru_cache(maxsize=65536)
+def rank_params(model, spans, tp, ep, first, last, matrices_only=False):
+    """stage_params of a rank whose chunks hold the layers of `spans`, ((first layer,
+    layers), ...)."""
     dense = expert = 0
-    for i in range(first_layer, first_layer + layers):
-        d, e = model.layer_params(i, tp, ep, matrices_only)
-        dense, expert = dense + d, expert + e
+    for start, count in spans:
+        for i in range(start, start + count):
+            d, e = model.layer_params(i, tp, ep, matrices_only)
+            dense, expert = dense + d, expert + e
     if matrices_only:
         return dense, expert
     return dense + model.outside_params(first, last, tp), expert
 
 
 @functools.lru_cache(maxsize=65536)
-def stage_footprints(model, split, tp, ep, replicas, zero, recompute, flash,
-                     fp8_activations=False, states="mixed"):
+def stage_footprints(model, cut, tp, ep, replicas, zero, recompute, flash,
+                     fp8_activations=False, states="mixed", chunks=1):
     """Per pipeline stage, what one rank holds whatever the micro-batches: (its model
     states {params, grads, optimizer, total} in mixed-precision Adam, the dense weights
     over `replicas` ranks and each expert's over replicas / ep; the activation values per
     token it keeps for a micro-batch in flight; those of the one layer that full
-    recomputation rebuilds at a time), the stages holding `split`'s layers (stage_split).
+    recomputation rebuilds at a time), the ranks holding `cut`'s chunks (chunk_split).
     Many layouts share these, so they are kept."""
-    footprints, first_layer = [], 0
-    for stage, count in enumerate(split):
-        first, last = stage == 0, stage == len(split) - 1
-        dense, experts = stage_params(model, first_layer, count, tp, ep, first, last)
-        held = memory_model.state_bytes_per_gpu(dense, replicas, zero, precision=states)
+    footprints = []
+    spans = stage_spans(cut, chunks)
+    for stage, chunk_spans in spans:
+        first, last = stage == 0, stage == len(spans) - 1
+        count = sum(layers for _, layers in chunk_spans)
+        dense, experts = rank_params(model, chunk_spans, tp, ep, first, last)
+        held = state_bytes(dense, replicas, zero, states)
         if experts:
-            e = memory_model.state_bytes_per_gpu(experts, max(1, replicas // ep), zero,
-                                                 precision=states)
+            e = state_bytes(experts, max(1, replicas // ep), zero, states)
             held = {k: held[k] + e[k] for k in held}
+        if zero == "zero3":
+            # the layer that runs is gathered whole, its 16-bit weights and, in backward, its
+            # 16-bit gradients before they are reduce-scattered: DeepSpeed's estimate for
+            # stage 3 adds 4 bytes a parameter of the largest layer (memory_model.
+            # zero_offload_gpu_bytes); of a MoE layer, its dense part and the experts of
+            # this rank's ep share
+            largest = max(sum(model.layer_params(i, tp, ep)) for start, layers in chunk_spans
+                          for i in range(start, start + layers))
+            whole = {"params": held["params"] + VALUE_BYTES * largest,
+                     "grads": held["grads"] + VALUE_BYTES * largest}
+            held = {**held, **whole, "total": held["total"] + 2 * VALUE_BYTES * largest}
         if recompute == "full":     # each layer's input, and one layer rebuilt at a time
             kept = count * model.hidden / tp
-            rebuilt = stage_activation_values(model, first_layer, count, tp, flash,
-                                              fp8_activations)[1]
+            rebuilt = max(stage_activation_values(model, start, layers, tp, flash,
+                                                  fp8_activations)[1]
+                          for start, layers in chunk_spans)
         else:   # selective recomputation rebuilds attention's s x s part: none kept
-            kept = stage_activation_values(model, first_layer, count, tp,
-                                           flash or recompute != "none", fp8_activations)[0]
+            kept = sum(stage_activation_values(model, start, layers, tp,
+                                               flash or recompute != "none",
+                                               fp8_activations)[0]
+                       for start, layers in chunk_spans)
             rebuilt = 0
         footprints.append((held, kept, rebuilt))
-        first_layer += count
     return tuple(footprints)
+
+
+@functools.lru_cache(maxsize=65536)
+def state_bytes(params, replicas, zero, states):
+    """memory_model.state_bytes_per_gpu, kept: middle ranks often hold as many parameters.
+    Read it, never change it."""
+    return memory_model.state_bytes_per_gpu(params, replicas, zero, precision=states)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -526,9 +557,9 @@ def stage_activation_values(model, first_layer, layers, tp, flash, fp8_activatio
     return sum(values), max(values, default=0)
 
 
-def stage_flops(model, split, flash=True):
-    """[FLOPs per token of each pipeline stage holding `split`'s layers]: each layer 6 x
-    its active parameters and attention's products, the head's 6 V h on the last stage."""
+def chunk_flops(model, cut, flash=True):
+    """[FLOPs per token of each virtual stage (chunk) holding `cut`'s layers, in order]: each
+    layer 6 x its active parameters and attention's products, the head's 6 V h on the last."""
     attention = model.attention_flops_per_token() / model.layers * (0.5 if flash else 1)
     routed_unused = (model.experts - model.top_k) * sum(model.mlp(model.expert_hidden)) \
         if model.experts else 0
@@ -537,12 +568,21 @@ def stage_flops(model, split, flash=True):
         unused = routed_unused if model.experts and i >= model.dense_layers else 0
         return 6 * (sum(model.layer_params(i)) - unused) + attention
 
-    stages, start = [], 0
-    for count in split:
-        stages.append(sum(layer_flops(i) for i in range(start, start + count)))
+    chunks, start = [], 0
+    for count in cut:
+        chunks.append(sum(layer_flops(i) for i in range(start, start + count)))
         start += count
-    stages[-1] += 6 * model.vocab * model.hidden   # the logits' product, tied weights or not
-    return stages
+    chunks[-1] += 6 * model.vocab * model.hidden   # the logits' product, tied weights or not
+    return chunks
+
+
+def stage_flops(model, cut, flash=True, chunks=1):
+    """[FLOPs per token of each pipeline rank]: the sum of its chunks' (chunk_flops); `cut`
+    holds the layers of each of pp x chunks virtual stages, virtual stage j on rank j mod
+    pp, as Megatron-LM and torch's interleaved schedules place them."""
+    pp = len(cut) // chunks
+    per_chunk = chunk_flops(model, cut, flash)
+    return [sum(per_chunk[rank::pp]) for rank in range(pp)]
 
 
 # Layers an end stage may give up to the others (Llama 3 took one off each end; Megatron-LM
@@ -550,23 +590,50 @@ def stage_flops(model, split, flash=True):
 MAX_END_TRIM = 2
 
 
+def rank_chunks(totals, chunks, size):
+    """The layers of each of pp x chunks virtual stages, in order (virtual stage j on rank
+    j mod pp), from each rank's total: a middle rank's as even as they go (the later chunks
+    one more), an end rank's in chunks of `size`, the end chunk (the embedding's on the
+    first rank, the head's on the last) keeping what is left, none or more; None where a
+    chunk other than an end one would be empty."""
+    pp = len(totals)
+    per_rank = []
+    for rank, total in enumerate(totals):
+        end = chunks > 1 and rank in (0, pp - 1)
+        if chunks == 1:
+            own = [total]
+        elif end and 0 <= total - (chunks - 1) * size <= size:
+            own = [total - (chunks - 1) * size] + [size] * (chunks - 1)
+        elif total >= chunks or (end and total == chunks - 1):
+            own = [0] * (total < chunks) + memory_model.stage_layers(total, chunks - (total < chunks))
+        else:
+            return None
+        if end and rank == pp - 1:
+            own.reverse()              # the head's chunk, the smallest, last
+        per_rank.append(own)
+    return tuple(per_rank[j % pp][j // pp] for j in range(pp * chunks))
+
+
 @functools.lru_cache(maxsize=4096)
-def stage_split(model, pp, chunks=1, flash=True):
-    """The layers of each of pp stages, as the planner cuts them, or None where no cut can
-    run. From the even cut (memory_model.stage_layers), up to MAX_END_TRIM layers come off
-    the first and the last stage and spread over the others, as Llama 3 balanced its
-    pipeline with one layer fewer on each end stage (Dubey et al., 2024, section 3.3.2; it
-    interleaved, with unequal chunks, which this cut cannot: every chunk here holds the
-    same layers): the last stage also runs the head, and the first holds the most
-    micro-batches in flight. The cut
-    whose slowest stage has the fewest FLOPs wins; of cuts as fast, the one that takes most
-    off the first stage, then least off the last. An interleaved schedule of `chunks`
-    chunks per rank needs a whole number of layers in each chunk: every count a multiple
-    of chunks."""
+def chunk_split(model, pp, chunks=1, flash=True):
+    """The layers of each of the pp x chunks virtual stages (virtual stage j on rank j mod
+    pp; one per rank without interleaving), as the planner cuts them, or None where no cut
+    can run. From the even cut of the ranks (memory_model.stage_layers), up to MAX_END_TRIM
+    layers come off the first and the last rank and spread over the others, as Llama 3
+    balanced its pipeline (Dubey et al., 2024, section 3.3.2): the last stage also runs the
+    head, and the first holds the most micro-batches in flight. Each rank's layers then go
+    to its chunks (rank_chunks), in chunks of L / (pp v) layers rounded up on the end
+    ranks, whose end chunk takes what is left, down to no layer at all, only the embedding
+    or the head: Llama 3's 126 layers over 16 stages of 8 chunks (§3.3.2), or
+    Megatron-Bridge's DeepSeek-V3 layout on H100s (one layer in the first of 32 virtual
+    stages, two in each of the next 30, none in the last). The cut whose slowest rank has
+    the fewest FLOPs wins; of cuts as fast, the one that takes most off the first rank,
+    then least off the last."""
     layers = model.layers
-    if layers < pp:
+    if layers < pp or pp * chunks > most_virtual_stages(model, chunks):
         return None
     even = memory_model.stage_layers(layers, pp)
+    size = -(-layers // (pp * chunks))
     best = None
     for first_trim in range(MAX_END_TRIM + 1):
         for last_trim in range(MAX_END_TRIM + 1):
@@ -574,66 +641,88 @@ def stage_split(model, pp, chunks=1, flash=True):
             if pp == 1:
                 if first_trim or last_trim:
                     continue
-                split = (layers,)
+                totals = (layers,)
             elif pp == 2:
                 if first_trim:      # two stages: what the last gives up, the first takes
                     continue
-                split = (layers - last, last)
+                totals = (layers - last, last)
             else:
                 rest = layers - first - last
-                if first < 1 or last < 1 or rest < pp - 2:
+                if first < 0 or last < 0 or rest < pp - 2:
                     continue
-                split = (first, *memory_model.stage_layers(rest, pp - 2), last)
-            if min(split) < 1 or any(count % chunks for count in split):
+                totals = (first, *memory_model.stage_layers(rest, pp - 2), last)
+            cut = rank_chunks(totals, chunks, size)
+            if cut is None or (chunks == 1 and min(cut) < 1):
                 continue
-            key = (max(stage_flops(model, split, flash)), -first_trim, last_trim)
+            key = (max(stage_flops(model, cut, flash, chunks)), -first_trim, last_trim)
             if best is None or key < best[0]:
-                best = (key, split)
+                best = (key, cut)
     return None if best is None else best[1]
 
 
+def most_virtual_stages(model, chunks):
+    """The most virtual stages a cut can have: a layer each, and interleaved, an end chunk
+    at either end with none (chunk_split)."""
+    return model.layers + (2 if chunks > 1 else 0)
+
+
 @functools.lru_cache(maxsize=4096)
-def stage_imbalance(model, split, flash=True):
-    """The slowest pipeline stage's FLOPs over the mean stage's (stage_flops)."""
-    if len(split) == 1:
+def stage_split(model, pp, chunks=1, flash=True):
+    """The layers each of the pp ranks holds (the sum of its chunks, chunk_split), or None
+    where no cut can run."""
+    cut = chunk_split(model, pp, chunks, flash)
+    return None if cut is None else tuple(sum(cut[rank::pp]) for rank in range(pp))
+
+
+@functools.lru_cache(maxsize=4096)
+def stage_imbalance(model, cut, flash=True, chunks=1):
+    """The slowest pipeline rank's FLOPs over the mean rank's (stage_flops)."""
+    if len(cut) == chunks:
         return 1.0
-    stages = stage_flops(model, split, flash)
-    return max(stages) * len(split) / sum(stages)
+    stages = stage_flops(model, cut, flash, chunks)
+    return max(stages) * len(stages) / sum(stages)
 
 
-def stage_spans(split):
-    """[(stage, first layer, layers)] of a cut."""
-    starts = [sum(split[:stage]) for stage in range(len(split))]
-    return [(stage, starts[stage], count) for stage, count in enumerate(split)]
+@functools.lru_cache(maxsize=4096)
+def stage_spans(cut, chunks=1):
+    """[(rank, ((first layer, layers) of each of its chunks))] of a cut of pp x chunks
+    virtual stages."""
+    pp = len(cut) // chunks
+    starts = (0, *itertools.accumulate(cut))
+    return [(rank, tuple((starts[j], cut[j]) for j in range(rank, len(cut), pp)))
+            for rank in range(pp)]
 
 
 @functools.lru_cache(maxsize=65536)
-def slowest_data_parallel_time(model, split, tp, ep, zero, microbatches, replicas, precision,
-                               hw, states):
-    """The longest of the stages' data-parallel times (stage_data_parallel_time): the
+def slowest_data_parallel_time(model, cut, tp, ep, zero, microbatches, replicas, precision,
+                               hw, states, chunks=1):
+    """The longest of the ranks' data-parallel times (stage_data_parallel_time): the
     pipeline moves at its slowest stage."""
-    pp = len(split)
-    return max(stage_data_parallel_time(model, start, count, stage == 0, stage == pp - 1,
+    spans = stage_spans(cut, chunks)
+    return max(stage_data_parallel_time(model, chunk_spans, stage == 0, stage == len(spans) - 1,
                                         tp, ep, zero, microbatches, replicas, precision, hw,
                                         states)
-               for stage, start, count in stage_spans(split))
+               for stage, chunk_spans in spans)
 
 
 @functools.lru_cache(maxsize=4096)
-def most_moe_layers(model, split):
-    """The MoE layers of the stage that holds most of them."""
-    return max(sum(1 for i in range(start, start + count) if i >= model.dense_layers)
-               for _, start, count in stage_spans(split))
+def most_moe_layers(model, cut, chunks=1):
+    """The MoE layers of the rank that holds most of them."""
+    return max(sum(1 for start, count in chunk_spans for i in range(start, start + count)
+                   if i >= model.dense_layers)
+               for _, chunk_spans in stage_spans(cut, chunks))
 
 
 @functools.lru_cache(maxsize=65536)
-def stage_data_parallel_time(model, start, count, first, last, tp, ep, zero, microbatches,
+def stage_data_parallel_time(model, spans, first, last, tp, ep, zero, microbatches,
                              replicas, precision, hw, states="mixed"):
-    """Seconds of one stage's data-parallel collectives in a step: its dense parameters
+    """Seconds of one rank's data-parallel collectives in a step, its chunks holding the
+    layers of `spans` ((first layer, layers), ...): its dense parameters
     over the dp x cp replicas (tp apart), its experts' over replicas / ep (tp x ep apart),
     the parameters gathered in the recipe's bytes (FP8 for the linear weights under fp8)."""
-    dense, experts = stage_params(model, start, count, tp, ep, first, last)
-    matrices = stage_params(model, start, count, tp, ep, first, last, True)
+    dense, experts = rank_params(model, spans, tp, ep, first, last)
+    matrices = rank_params(model, spans, tp, ep, first, last, True)
+    count = sum(layers for _, layers in spans)
     total = 0.0
     for params, fp8_params, size, inner in ((dense, matrices[0], replicas, tp),
                                             (experts, matrices[1], replicas // ep, tp * ep)):
@@ -670,10 +759,10 @@ def memory(model, layout, settings, hw):
     schedule = "interleaved" if v > 1 else "1f1b"
     in_flight = memory_model.pipeline_peak_microbatches(schedule, pp, m, v)
     tokens = model.seq // cp * b                  # of one micro-batch, on this rank
-    split = stage_split(model, pp, v, settings.flash_attention)
-    footprints = stage_footprints(model, split, tp, ep, replicas, zero, recompute,
+    cut = chunk_split(model, pp, v, settings.flash_attention)
+    footprints = stage_footprints(model, cut, tp, ep, replicas, zero, recompute,
                                   settings.flash_attention, settings.fp8_activations,
-                                  settings.states)
+                                  settings.states, v)
     # the last stage's head: the final norm's input and output (split by sequence
     # parallelism) and the logits' softmax in fp32, split over the vocabulary, for the
     # micro-batch whose backward comes next (memory_model.stage_activation_bytes)
@@ -740,9 +829,12 @@ def step_time(model, layout, settings, hw):
              "selective": attention / 3 * tokens / n / rate}[recompute]
     work = compute + extra
     # The pipeline waits for its slowest stage (the embedding's and the head's work sit on
-    # the first and last), and idles in the schedule's fill and drain
+    # the first and last), and idles in the schedule's fill and drain. Interleaved, the
+    # fill and drain pass p - 1 chunk slots whose mean is a rank's time over v, whether or
+    # not its chunks hold the same layers
+    cut = chunk_split(model, pp, v, settings.flash_attention)
     split = stage_split(model, pp, v, settings.flash_attention)
-    slowest = work * stage_imbalance(model, split, settings.flash_attention)
+    slowest = work * stage_imbalance(model, cut, settings.flash_attention, v)
     if layout.get("dualpipe"):
         # DeepSeek-V3's Table 2: (pp/2 - 1)(F&B + B - 3W) per micro-batch, F&B the
         # overlapped forward and backward (F + B when compute-bound), B the backward with
@@ -760,8 +852,8 @@ def step_time(model, layout, settings, hw):
     tp_s = 0.0
     if tp > 1 and settings.tp_comm_overlap:   # the stage whose exposed traffic is longest
         tp_s = max(tensor_parallel_overlapped_time(
-            model, start, count, seq, b, tp, pp == 1, m, recompute == "full", hw, rate,
-            settings.precision == "fp8") for _, start, count in stage_spans(split))
+            model, spans, seq, b, tp, pp == 1, m, recompute == "full", hw, rate,
+            settings.precision == "fp8") for _, spans in stage_spans(cut, v))
     elif tp > 1:   # a stated fraction hidden (--tp-overlap), or none
         tp_s = tensor_parallel_time(max(split), seq, b, model.hidden, tp, pp == 1, m,
                                     recompute == "full", hw, settings.precision == "fp8") \
@@ -776,8 +868,8 @@ def step_time(model, layout, settings, hw):
     # data parallelism over the dp x cp replicas (experts over dp x cp / ep), hierarchical:
     # the stage whose collectives take longest (the pipeline moves at its slowest stage)
     replicas = dp * cp
-    dp_s = slowest_data_parallel_time(model, split, tp, ep, zero, m, replicas,
-                                      settings.precision, hw, settings.states)
+    dp_s = slowest_data_parallel_time(model, cut, tp, ep, zero, m, replicas,
+                                      settings.precision, hw, settings.states, v)
     backward = 2 * forward
     window = {"ddp": backward / m, "zero1": backward / m, "zero2": backward,
               "zero3": work}[zero]
@@ -812,7 +904,7 @@ def step_time(model, layout, settings, hw):
                       hw.nvlink[0] + nv_bytes / hw.nvlink[1])
         else:
             one = hw.nvlink[0] + nv_bytes / hw.nvlink[1]
-        moe_here = most_moe_layers(model, split)
+        moe_here = most_moe_layers(model, cut, v)
         # dispatch and combine forward and backward, and the forward's again where full
         # recomputation reruns it, as it reruns the tensor-parallel collectives
         passes = 6 if recompute == "full" else 4
@@ -846,8 +938,9 @@ def why_not(model, layout, settings, hw):
         return f"tp {tp} does not divide the {model.heads} heads ({model.kv_heads or model.heads} key-value)"
     if model.vocab % tp:
         return f"tp {tp} does not divide the vocabulary of {model.vocab}"
-    if pp * v > model.layers:
-        return f"pp {pp} x {v} chunks is more than the {model.layers} layers"
+    if pp * v > most_virtual_stages(model, v):
+        return (f"pp {pp} x {v} chunks is more than the {model.layers} layers"
+                + (" and two end chunks without one" if v > 1 else ""))
     if model.seq % (2 * cp if cp > 1 else 1):
         return f"cp {cp} does not divide the sequence of {model.seq} into 2 cp chunks"
     if ep > 1 and not model.experts:
@@ -861,8 +954,8 @@ def why_not(model, layout, settings, hw):
         return (f"DualPipe needs an even number of micro-batches, at least 2 pp = {2 * pp}, "
                 f"got {layout['microbatches']}")
     if stage_split(model, pp, v, settings.flash_attention) is None:
-        return (f"no cut of the {model.layers} layers over pp {pp} stages gives each of the "
-                f"{v} chunks a whole number of layers")
+        return (f"no cut of the {model.layers} layers over pp {pp} stages of {v} chunks "
+                f"leaves a layer in every chunk but the two end ones")
     if v > 1 and "microbatches" in layout and layout["microbatches"] % pp:
         # Megatron-LM's interleaved schedule asserts it
         return (f"the interleaved schedule needs the micro-batches ({layout['microbatches']}) "
@@ -877,8 +970,11 @@ def evaluate(model, layout, settings, hw, mem=None):
     """`layout` with its memory (`mem` if already known), time and MFU (a new dict)."""
     mem = mem or memory(model, layout, settings, hw)
     time_s = step_time(model, layout, settings, hw)
-    split = stage_split(model, layout["pp"], layout["chunks"], settings.flash_attention)
-    return {**layout, "stage_layers": list(split), "memory_bytes": mem,
+    pp, v = layout["pp"], layout["chunks"]
+    split = stage_split(model, pp, v, settings.flash_attention)
+    chunks = {"chunk_layers": list(chunk_split(model, pp, v, settings.flash_attention))} \
+        if v > 1 else {}
+    return {**layout, "stage_layers": list(split), **chunks, "memory_bytes": mem,
             "fits": mem["total"] <= hw.gpu_memory_gb * 1e9,
             "time_s": time_s,
             "tokens_per_s_per_gpu": settings.global_batch_tokens / time_s["step"] / hw.gpus,
@@ -896,7 +992,7 @@ def settings_for(model, degrees, settings):
         if sequences % b:
             continue
         for v in chunk_options:
-            if pp * v > model.layers:
+            if pp * v > most_virtual_stages(model, v):
                 continue
             for zero in settings.zero:
                 for recompute in settings.recompute:
