@@ -488,10 +488,9 @@ def rank_params(model, spans, tp, ep, first, last, matrices_only=False):
     """stage_params of a rank whose chunks hold the layers of `spans`, ((first layer,
     layers), ...)."""
     dense = expert = 0
-    for start, count in spans:
-        for i in range(start, start + count):
-            d, e = model.layer_params(i, tp, ep, matrices_only)
-            dense, expert = dense + d, expert + e
+    for index, count in layer_kinds(model, spans):   # a layer's count depends on its kind
+        d, e = model.layer_params(index, tp, ep, matrices_only)
+        dense, expert = dense + count * d, expert + count * e
     if matrices_only:
         return dense, expert
     return dense + model.outside_params(first, last, tp), expert
@@ -511,6 +510,7 @@ def stage_footprints(model, cut, tp, ep, replicas, zero, recompute, flash,
     for stage, chunk_spans in spans:
         first, last = stage == 0, stage == len(spans) - 1
         count = sum(layers for _, layers in chunk_spans)
+        chunk_spans = tuple(layer_kinds(model, chunk_spans))   # what it holds, not where
         dense, experts = rank_params(model, chunk_spans, tp, ep, first, last)
         held = state_bytes(dense, replicas, zero, states)
         if experts:
@@ -522,8 +522,7 @@ def stage_footprints(model, cut, tp, ep, replicas, zero, recompute, flash,
             # stage 3 adds 4 bytes a parameter of the largest layer (memory_model.
             # zero_offload_gpu_bytes); of a MoE layer, its dense part and the experts of
             # this rank's ep share
-            largest = max(sum(model.layer_params(i, tp, ep)) for start, layers in chunk_spans
-                          for i in range(start, start + layers))
+            largest = largest_layer_params(model, chunk_spans, tp, ep)
             whole = {"params": held["params"] + VALUE_BYTES * largest,
                      "grads": held["grads"] + VALUE_BYTES * largest}
             held = {**held, **whole, "total": held["total"] + 2 * VALUE_BYTES * largest}
@@ -540,6 +539,23 @@ def stage_footprints(model, cut, tp, ep, replicas, zero, recompute, flash,
             rebuilt = 0
         footprints.append((held, kept, rebuilt))
     return tuple(footprints)
+
+
+def layer_kinds(model, spans):
+    """[(a layer of the kind, how many)] of spans' layers, dense then MoE, those present:
+    a layer's parameters and activations depend on its kind alone (Model.layer_params).
+    Each pair is also a span of that many layers of its kind (the dense ones come first),
+    so the cached functions that take spans take these, and ranks alike share them."""
+    moe = sum(max(0, start + count - max(start, model.dense_layers))
+              for start, count in spans) if model.experts else 0
+    dense = sum(count for _, count in spans) - moe
+    return [(index, count) for index, count in ((0, dense), (model.dense_layers, moe)) if count]
+
+
+@functools.lru_cache(maxsize=65536)
+def largest_layer_params(model, spans, tp, ep):
+    """The parameters one rank holds of its largest layer, its chunks holding `spans`."""
+    return max(sum(model.layer_params(index, tp, ep)) for index, _ in layer_kinds(model, spans))
 
 
 @functools.lru_cache(maxsize=65536)
@@ -699,9 +715,11 @@ def slowest_data_parallel_time(model, cut, tp, ep, zero, microbatches, replicas,
     """The longest of the ranks' data-parallel times (stage_data_parallel_time): the
     pipeline moves at its slowest stage."""
     spans = stage_spans(cut, chunks)
-    return max(stage_data_parallel_time(model, chunk_spans, stage == 0, stage == len(spans) - 1,
-                                        tp, ep, zero, microbatches, replicas, precision, hw,
-                                        states)
+    # a rank's traffic follows its layers' kinds, not their places (layer_kinds): middle
+    # ranks alike are priced once
+    return max(stage_data_parallel_time(model, tuple(layer_kinds(model, chunk_spans)),
+                                        stage == 0, stage == len(spans) - 1, tp, ep, zero,
+                                        microbatches, replicas, precision, hw, states)
                for stage, chunk_spans in spans)
 
 
@@ -852,8 +870,9 @@ def step_time(model, layout, settings, hw):
     tp_s = 0.0
     if tp > 1 and settings.tp_comm_overlap:   # the stage whose exposed traffic is longest
         tp_s = max(tensor_parallel_overlapped_time(
-            model, spans, seq, b, tp, pp == 1, m, recompute == "full", hw, rate,
-            settings.precision == "fp8") for _, spans in stage_spans(cut, v))
+            model, tuple(layer_kinds(model, spans)), seq, b, tp, pp == 1, m,
+            recompute == "full", hw, rate, settings.precision == "fp8")
+            for _, spans in stage_spans(cut, v))
     elif tp > 1:   # a stated fraction hidden (--tp-overlap), or none
         tp_s = tensor_parallel_time(max(split), seq, b, model.hidden, tp, pp == 1, m,
                                     recompute == "full", hw, settings.precision == "fp8") \
