@@ -517,11 +517,12 @@ def stage_footprints(model, cut, tp, ep, replicas, zero, recompute, flash,
             e = state_bytes(experts, max(1, replicas // ep), zero, states)
             held = {k: held[k] + e[k] for k in held}
         if zero == "zero3":
-            # the layer that runs is gathered whole, its 16-bit weights and, in backward, its
-            # 16-bit gradients before they are reduce-scattered: DeepSpeed's estimate for
-            # stage 3 adds 4 bytes a parameter of the largest layer (memory_model.
-            # zero_offload_gpu_bytes); of a MoE layer, its dense part and the experts of
-            # this rank's ep share
+            # the layer that runs is gathered whole, its 16-bit weights and its 16-bit
+            # gradients before they are reduce-scattered: 4 bytes a parameter of the largest
+            # transformer layer, the rate DeepSpeed's stage-3 estimate charges for its
+            # largest module (memory_model.zero_offload_gpu_bytes), a lower bound for FSDP,
+            # which also prefetches the next layer; of a MoE layer, its dense part and the
+            # experts of this rank's ep share
             largest = largest_layer_params(model, chunk_spans, tp, ep)
             whole = {"params": held["params"] + VALUE_BYTES * largest,
                      "grads": held["grads"] + VALUE_BYTES * largest}
@@ -848,8 +849,8 @@ def step_time(model, layout, settings, hw):
     work = compute + extra
     # The pipeline waits for its slowest stage (the embedding's and the head's work sit on
     # the first and last), and idles in the schedule's fill and drain. Interleaved, the
-    # fill and drain pass p - 1 chunk slots whose mean is a rank's time over v, whether or
-    # not its chunks hold the same layers
+    # fill and drain wait on the other ranks' first chunks: a rank's time over v stands in
+    # for them, exact when the chunks hold the same layers
     cut = chunk_split(model, pp, v, settings.flash_attention)
     split = stage_split(model, pp, v, settings.flash_attention)
     slowest = work * stage_imbalance(model, cut, settings.flash_attention, v)
