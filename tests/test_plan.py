@@ -484,7 +484,15 @@ def test_the_end_stages_give_up_layers_and_schedules_must_be_able_to_run(capsys)
                "--layout", "tp=8,pp=16,dp=128", "--json"])
     mine = json.loads(capsys.readouterr().out)["layout"]
     assert mine["stage_layers"][0] + mine["stage_layers"][-1] < 2 * max(mine["stage_layers"])
-    assert sum(mine["stage_layers"]) == 126
+    assert sum(mine["stage_layers"]) == 126 and ("chunk_layers" in mine) == (mine["chunks"] > 1)
+    # interleaved, --layout says each chunk's layers too, in the JSON and in the text
+    argv = ["--model", "llama3-405b", "--gpus", "16384", "--global-batch-tokens", "16M",
+            "--layout", "tp=8,pp=16,dp=128,v=8"]
+    plan.main([*argv, "--json"])
+    mine = json.loads(capsys.readouterr().out)["layout"]
+    assert mine["chunks"] == 8 and mine["chunk_layers"] == [0] + [1] * 126 + [0]
+    plan.main(argv)
+    assert "in 8 chunks each, the virtual stages in order hold 0, 1, 1" in capsys.readouterr().out
 
 
 def deepseek_v3_as_published():
