@@ -92,8 +92,9 @@ pytest: venv
 # The built pages, and the sizing page in Chromium with a local Pyodide (npm's package at
 # the pinned release). Without npm, Chromium or chromedriver the browser test says it skipped.
 # Two files at a time: a browser's page loads leave a core idle (their timing bounds are wide).
+# The slowest five are printed: this phase took 20 s in some fresh builds and 50 s in others.
 htmlcheck: venv pyodide
-	$(BIN)/python -m pytest tests/book -rs -n 2 --dist loadfile
+	$(BIN)/python -m pytest tests/book -rs -n 2 --dist loadfile --durations=5
 
 # npm's pyodide package, the files the browser needs, in $(PYODIDE) (nothing without npm)
 pyodide: $(PYODIDE)/pyodide.js
