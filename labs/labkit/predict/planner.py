@@ -506,11 +506,10 @@ def stage_footprints(model, cut, tp, ep, replicas, zero, recompute, flash,
     recomputation rebuilds at a time), the ranks holding `cut`'s chunks (chunk_split).
     Many layouts share these, so they are kept."""
     footprints = []
-    spans = stage_spans(cut, chunks)
-    for stage, chunk_spans in spans:
-        first, last = stage == 0, stage == len(spans) - 1
+    ranks = rank_layers(model, cut, chunks)
+    for stage, chunk_spans in ranks:
+        first, last = stage == 0, stage == len(ranks) - 1
         count = sum(layers for _, layers in chunk_spans)
-        chunk_spans = tuple(layer_kinds(model, chunk_spans))   # what it holds, not where
         dense, experts = rank_params(model, chunk_spans, tp, ep, first, last)
         held = state_bytes(dense, replicas, zero, states)
         if experts:
@@ -551,6 +550,14 @@ def layer_kinds(model, spans):
               for start, count in spans) if model.experts else 0
     dense = sum(count for _, count in spans) - moe
     return [(index, count) for index, count in ((0, dense), (model.dense_layers, moe)) if count]
+
+
+@functools.lru_cache(maxsize=4096)
+def rank_layers(model, cut, chunks=1):
+    """[(rank, its layers as layer_kinds gives them)] of a cut of pp x chunks virtual
+    stages: what each rank holds, not where, so that ranks alike share the caches of what
+    is priced from them."""
+    return [(rank, tuple(layer_kinds(model, spans))) for rank, spans in stage_spans(cut, chunks)]
 
 
 @functools.lru_cache(maxsize=65536)
@@ -621,8 +628,10 @@ def rank_chunks(totals, chunks, size):
             own = [total]
         elif end and 0 <= total - (chunks - 1) * size <= size:
             own = [total - (chunks - 1) * size] + [size] * (chunks - 1)
-        elif total >= chunks or (end and total == chunks - 1):
-            own = [0] * (total < chunks) + memory_model.stage_layers(total, chunks - (total < chunks))
+        elif total >= chunks:
+            own = memory_model.stage_layers(total, chunks)
+        elif end and total == chunks - 1:   # the end chunk with none, the others one each
+            own = [0] + [1] * (chunks - 1)
         else:
             return None
         if end and rank == pp - 1:
@@ -715,21 +724,19 @@ def slowest_data_parallel_time(model, cut, tp, ep, zero, microbatches, replicas,
                                hw, states, chunks=1):
     """The longest of the ranks' data-parallel times (stage_data_parallel_time): the
     pipeline moves at its slowest stage."""
-    spans = stage_spans(cut, chunks)
-    # a rank's traffic follows its layers' kinds, not their places (layer_kinds): middle
-    # ranks alike are priced once
-    return max(stage_data_parallel_time(model, tuple(layer_kinds(model, chunk_spans)),
-                                        stage == 0, stage == len(spans) - 1, tp, ep, zero,
-                                        microbatches, replicas, precision, hw, states)
-               for stage, chunk_spans in spans)
+    ranks = rank_layers(model, cut, chunks)
+    return max(stage_data_parallel_time(model, chunk_spans, stage == 0, stage == len(ranks) - 1,
+                                        tp, ep, zero, microbatches, replicas, precision, hw,
+                                        states)
+               for stage, chunk_spans in ranks)
 
 
 @functools.lru_cache(maxsize=4096)
 def most_moe_layers(model, cut, chunks=1):
     """The MoE layers of the rank that holds most of them."""
-    return max(sum(1 for start, count in chunk_spans for i in range(start, start + count)
-                   if i >= model.dense_layers)
-               for _, chunk_spans in stage_spans(cut, chunks))
+    return max(sum(count for start, count in chunk_spans
+                   if model.experts and start >= model.dense_layers)
+               for _, chunk_spans in rank_layers(model, cut, chunks))
 
 
 @functools.lru_cache(maxsize=65536)
@@ -871,9 +878,8 @@ def step_time(model, layout, settings, hw):
     tp_s = 0.0
     if tp > 1 and settings.tp_comm_overlap:   # the stage whose exposed traffic is longest
         tp_s = max(tensor_parallel_overlapped_time(
-            model, tuple(layer_kinds(model, spans)), seq, b, tp, pp == 1, m,
-            recompute == "full", hw, rate, settings.precision == "fp8")
-            for _, spans in stage_spans(cut, v))
+            model, spans, seq, b, tp, pp == 1, m, recompute == "full", hw, rate,
+            settings.precision == "fp8") for _, spans in rank_layers(model, cut, v))
     elif tp > 1:   # a stated fraction hidden (--tp-overlap), or none
         tp_s = tensor_parallel_time(max(split), seq, b, model.hidden, tp, pp == 1, m,
                                     recompute == "full", hw, settings.precision == "fp8") \
