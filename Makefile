@@ -84,7 +84,9 @@ book: venv
 # Two test files at a time (most of a lab's time is spent starting processes and waiting on
 # its peers), the `timed` ones among them: their bounds come from what the same run
 # measured, so a busy machine widens them instead of failing them. Files in the order
-# tests/conftest.py gives them, the longest first (--no-loadscope-reorder keeps it).
+# tests/conftest.py gives them, the longest first (--no-loadscope-reorder keeps it). The labs
+# start forked from a process that imported torch once (tests/fork_launch.py);
+# LABS_FORK_LAUNCH=0 starts each as a fresh Python under real torchrun, as the book does.
 pytest: venv
 	$(BIN)/python -m pytest tests --ignore=tests/book -n 2 --dist loadfile --no-loadscope-reorder \
 		--durations=15

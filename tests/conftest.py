@@ -17,6 +17,8 @@ import pytest
 LABS = Path(__file__).resolve().parent.parent / "labs"
 sys.path.insert(0, str(LABS))
 
+from labkit.runtime.launch import lab_environment  # noqa: E402 (needs LABS on the path)
+
 
 def pytest_configure(config):
     config.addinivalue_line(
@@ -44,11 +46,48 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: order.get(item.path.name, len(HEAVY_FIRST)))   # stable
 
 
+# The labs start forked from a process that imported torch once (fork_launch.py), unless
+# LABS_FORK_LAUNCH=0; about half of the suite's CPU time was those imports.
+FORK_LAUNCH = os.environ.get("LABS_FORK_LAUNCH", "1") != "0"
+_launcher = None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_launch():
+    global _launcher
+    if not FORK_LAUNCH:
+        yield None
+        return
+    from fork_launch import ForkLauncher
+    from labkit.runtime import launch
+
+    _launcher = ForkLauncher(launch.lab_environment({}))
+
+    def start(command, env):
+        return _launcher.start(command, env, launch.REPO_DIR) or launch._popen(command, env)
+
+    launch.start_process = start
+    yield _launcher
+    launch.start_process = launch._popen
+    _launcher = None
+
+
 def run_script(lab, *args, env_extra=None, timeout=120):
     """`python labs/<lab>.py args...` as a world of one (no torchrun); returns CompletedProcess."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
-    return subprocess.run([sys.executable, str(LABS / f"{lab}.py"), *map(str, args)],
-                          capture_output=True, text=True, env=env, timeout=timeout)
+    env = lab_environment({"OMP_NUM_THREADS": "1", **(env_extra or {})})
+    command = [sys.executable, str(LABS / f"{lab}.py"), *map(str, args)]
+    forked = _launcher and _launcher.start(command, env, os.getcwd(), merge_stderr=False)
+    if not forked:
+        return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
+    try:
+        forked.wait(timeout)
+    except subprocess.TimeoutExpired:
+        forked.kill()
+        forked.wait()
+        raise
+    finally:
+        stdout, stderr = forked.read()
+    return subprocess.CompletedProcess(command, forked.returncode, stdout, stderr)
 
 
 # what every lab's JSON carries (the lab contract, distenv.DistEnv.metadata)

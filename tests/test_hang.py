@@ -203,7 +203,10 @@ def test_the_flight_recorder_option_leaves_blocking_wait_off_and_needs_nccl(
                  "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
                  "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT")
     for name in variables:
-        monkeypatch.delenv(name, raising=False)
+        # set, then deleted: monkeypatch restores each at the end, so what
+        # arm_flight_recorder sets below does not leak into the later tests' launches
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     prefix = str(tmp_path / "fr" / "rank_")
     hang.arm_flight_recorder(prefix)
     armed = {name: os.environ[name] for name in variables if name in os.environ}

@@ -142,15 +142,25 @@ def _launchers(lab, nproc, nnodes):
     return [agent] * nnodes
 
 
+def _popen(command, env):
+    """`command` as a process of its own, its stdout and stderr merged into one pipe. A new
+    session, so that a timeout can kill torchrun and every rank it started."""
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, cwd=REPO_DIR, start_new_session=True)
+
+
+# How a command starts. The test suite puts its own here (tests/conftest.py): one that
+# forks the labs from a process that has imported torch already, a few CPU-seconds less
+# per process; whatever it returns has Popen's pid (a process group), poll, wait and stdout.
+start_process = _popen
+
+
 def _run_streaming(commands, env, timeout, echo):
     """Run `commands` at once (torchrun agents, or one process), echoing their merged
     stdout/stderr line by line; kill them all on timeout. Returns (the first non-zero exit
     status or 0, output lines)."""
     lines, lock = [], threading.Lock()
-    # New sessions, so that a timeout can kill torchrun and every rank it started.
-    procs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, env=env, cwd=REPO_DIR, start_new_session=True)
-             for command in commands]
+    procs = [start_process(command, env) for command in commands]
     timers = [_Killer(proc, timeout) for proc in procs]
 
     def read(proc):
