@@ -568,6 +568,41 @@ def test_expert_parallelism_divides_the_experts_and_pays_its_all_to_alls():
     assert planner.why_not(planner.PRESETS["llama3-8b"], layout(ep=2), settings, hw)
 
 
+def test_small_expert_products_are_bound_by_their_memory_traffic():
+    """The roofline by hand for DeepSeek-V3's experts: 128 tokens through an expert of
+    7,168 x 2,048 (SwiGLU: 4,096 wide in, 2,048 out) move more bytes than the FLOPs'
+    time lets HBM carry; 8,192 tokens do not."""
+    model, hw = planner.PRESETS["deepseek-v3"], planner.Hardware(64)
+    rate = 0.55 * 989e12
+    h, f, bandwidth = 7168, 2048, 3.35e12
+
+    def by_hand(rows):
+        slow = flops = 0
+        for k, n in ((h, 2 * f), (f, h)):
+            product = 2 * rows * k * n
+            traffic = 2 * (rows * k + k * n + rows * n)
+            slow += max(product / rate, traffic / bandwidth)
+            flops += product / rate
+        return slow / flops
+
+    # one rank's micro-batch of 4,096 tokens, top 8 of 256 experts: 128 tokens an expert
+    slowdown = planner.expert_matmul_slowdown(model, 4096, 1, 1, rate, hw)
+    assert slowdown == pytest.approx(by_hand(128)) and 1.3 < slowdown < 1.4
+    # the tokens of 64 expert-parallel ranks meet on each expert: compute-bound
+    assert planner.expert_matmul_slowdown(model, 4096, 1, 64, rate, hw) == 1.0
+    # a step pays it on the routed experts' share of the compute, and only there
+    settings = planner.Settings(global_batch_tokens=2 ** 22)
+    few, many = (planner.step_time(model, layout(dp=64, tp=1, pp=1, ep=ep, micro_batch=1,
+                                                 microbatches=16), settings, hw)
+                 for ep in (1, 64))
+    routed = 6 * 8 * 58 * 3 * h * f * 2 ** 22 / 64 / rate
+    assert few["compute"] - many["compute"] == pytest.approx(routed * (slowdown - 1))
+    dense = planner.PRESETS["llama3-8b"]
+    assert planner.step_time(dense, layout(dp=64), settings, hw)["compute"] == pytest.approx(
+        6 * dense.active_params() * 2 ** 22 / 64 / rate + dense.attention_flops_per_token()
+        * 0.5 * 2 ** 22 / 64 / rate)
+
+
 def test_deepseek_v3_has_its_published_size():
     model = planner.PRESETS["deepseek-v3"]
     assert model.params() == memory_model.deepseek_v3_params()["total"]

@@ -25,6 +25,11 @@ H100_NVL_BF16_FLOPS = 835e12   # the H100 NVL's: 1,671 TFLOP/s with sparsity, ha
 # planner fits layouts in the nominal 80 GB, leaving the rest to the CUDA context, NCCL
 # and fragmentation
 H100_80GB_REPORTED_MIB = 81_559
+# HBM bandwidth, bytes/s (datasheets): the H100 SXM's 3.35 TB/s (the H800 SXM's is the
+# same), the A100 80GB SXM's 2,039 GB/s. The planner's roofline for the routed experts'
+# products (planner.expert_matmul_slowdown) reads them
+H100_HBM_BYTES_S = 3.35e12
+A100_80GB_HBM_BYTES_S = 2.039e12
 H100_80GB_CUDA_GIB = 79.11
 UTILIZATION = 0.40             # model FLOPs utilization of well-tuned training
 

@@ -28,7 +28,8 @@ schedule keeps in flight (memory_model.pipeline_peak_microbatches); recomputatio
 selective (attention's s x s part rebuilt) or full (each layer keeps its input); a fused
 attention (FlashAttention) keeps no s x s matrix; the last stage keeps the logits in fp32.
 
-Time, per step: compute at a stated fraction of the peak; the pipeline's idle time
+Time, per step: compute at a stated fraction of the peak, the routed experts' products
+at the slower of that and their HBM traffic (expert_matmul_slowdown); the pipeline's idle time
 (time_model.pipeline_bubble_fraction, m < p included); tensor-parallel collectives
 (comm_model.tensor_parallel_collectives) on NVLink, a stated fraction overlapped, or
 with tp_comm_overlap each beside a linear layer's product, as Transformer Engine runs them
@@ -309,6 +310,7 @@ class Hardware(HashedOnce):
     peak_tflops: float = hardware.H100_BF16_FLOPS / 1e12
     nvlink_gb_s: float = hardware.NVLINK[1] / 1e9
     network_gb_s: float = hardware.NIC[1] / 1e9
+    memory_tb_s: float = hardware.H100_HBM_BYTES_S / 1e12   # HBM, for the roofline
 
     @property
     def nvlink(self):
@@ -609,6 +611,30 @@ def stage_flops(model, cut, flash=True, chunks=1):
     return [sum(per_chunk[rank::pp]) for rank in range(pp)]
 
 
+def expert_matmul_slowdown(model, tokens, tp, ep, rate, hw, fp8=False):
+    """How much longer the routed experts' matrix products take than their FLOPs at `rate`
+    say (>= 1), by the roofline: a product runs at the slower of its FLOPs and the HBM
+    traffic of its operands and result, read and written once (Williams et al., 2009).
+    One of a rank's experts sees ep x tokens x top_k / experts tokens per micro-batch
+    (`tokens`: a micro-batch's on one rank, routing balanced) against weights of
+    hidden x width / tp: a few hundred tokens make it as memory-bound as a matrix-vector
+    product. Backward's two products move as many bytes as the forward's. Weighted by the
+    FLOPs of the expert's two matrices. An optimistic bound: the datasheet's bandwidth, and
+    none of the tile and wave quantization small products also pay."""
+    rows = ep * tokens * model.top_k / model.experts
+    width = model.expert_hidden / tp
+    first = width * (1 if model.gpt else 2)          # fc1, or SwiGLU's gate and up
+    in_bytes = 1 if fp8 else VALUE_BYTES             # FP8 operands, 16-bit results
+    speed = rate * (precision_model.FP8_PEAK_RATIO if fp8 else 1)
+    flops = slow = 0.0
+    for k, n in ((model.hidden, first), (width, model.hidden)):
+        product = 2 * rows * k * n
+        traffic = in_bytes * (rows * k + k * n) + VALUE_BYTES * rows * n
+        flops += product
+        slow += product * max(1.0, traffic / (hw.memory_tb_s * 1e12) / (product / speed))
+    return slow / flops
+
+
 # Layers an end stage may give up to the others (Llama 3 took one off each end; Megatron-LM
 # sets the end stages' counts with --decoder-first/last-pipeline-num-layers)
 MAX_END_TRIM = 2
@@ -850,6 +876,12 @@ def step_time(model, layout, settings, hw):
     # FP8 runs the layers' linear products at its higher peak, the rest stays bf16
     fp8 = 6 * model.active_matrix_params() if settings.precision == "fp8" else 0
     compute = (dense - fp8 + fp8 / precision_model.FP8_PEAK_RATIO + attention) * tokens / n / rate
+    if model.experts:   # the routed experts' products where their operands' traffic bounds them
+        routed = 6 * model.top_k * model.moe_layers * model.mlp(model.expert_hidden)[0]
+        routed_s = routed / (precision_model.FP8_PEAK_RATIO if fp8 else 1) * tokens / n / rate
+        slowdown = expert_matmul_slowdown(model, b * (model.seq // cp), tp, ep, rate, hw,
+                                          settings.precision == "fp8")
+        compute += routed_s * (slowdown - 1)
     forward = compute / 3
     extra = {"none": 0.0, "full": forward,
              "selective": attention / 3 * tokens / n / rate}[recompute]
