@@ -24,8 +24,8 @@ H100_NVL_BF16_FLOPS = 835e12   # the H100 NVL's: 1,671 TFLOP/s with sparsity, ha
 # torch.cuda.OutOfMemoryError prints as the GPU's "total capacity" on an H100 80GB): the
 # planner fits layouts in the nominal 80 GB, leaving the rest to the CUDA context (about
 # 400 MB with lazy loading: pytorch issue 109888), NCCL's buffers (0.5-0.7 GB a process
-# group on A100s, nccl issue 964; 4.34 GB after an all-to-all on eight H100s, nccl issue
-# 1685) and fragmentation (GMLake, ASPLOS 2024, needed 9.2 GB less than PyTorch's caching
+# group on A100s, nccl issue 964; 4.34 GB outside PyTorch's memory, context included,
+# after an all-to-all on eight H100s, nccl issue 1685) and fragmentation (GMLake, ASPLOS 2024, needed 9.2 GB less than PyTorch's caching
 # allocator on average over eight LLMs on A100 80GBs), which that room cannot always hold:
 # the 5-D chapter says so
 H100_80GB_REPORTED_MIB = 81_559

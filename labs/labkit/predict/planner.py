@@ -616,11 +616,14 @@ def expert_matmul_slowdown(model, tokens, tp, ep, rate, hw, fp8=False):
     say (>= 1), by the roofline: a product runs at the slower of its FLOPs and the HBM
     traffic of its operands and result, read and written once (Williams et al., 2009).
     One of a rank's experts sees ep x tokens x top_k / experts tokens per micro-batch
-    (`tokens`: a micro-batch's on one rank, routing balanced) against weights of
-    hidden x width / tp: a few hundred tokens make it as memory-bound as a matrix-vector
-    product. Backward's two products move as many bytes as the forward's. Weighted by the
-    FLOPs of the expert's two matrices. An optimistic bound: the datasheet's bandwidth, and
-    none of the tile and wave quantization small products also pay."""
+    (`tokens`: a micro-batch's on one tensor-parallel group, which Megatron-Core's
+    dispatcher gathers for each rank; routing balanced) against weights of
+    hidden x width / tp: a few hundred tokens bring it near the roofline's ridge, where HBM
+    traffic rather than arithmetic can bound it. Weighted by the FLOPs of the expert's two
+    matrices. A lower bound on the time: the datasheet's bandwidth, none of the tile and
+    wave quantization small products also pay, and backward charged the forward's ratio,
+    though the weights' gradient is written (and read back where it is accumulated) at 16
+    or 32 bits."""
     rows = ep * tokens * model.top_k / model.experts
     width = model.expert_hidden / tp
     first = width * (1 if model.gpt else 2)          # fc1, or SwiGLU's gate and up
