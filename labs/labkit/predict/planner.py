@@ -611,7 +611,8 @@ def stage_flops(model, cut, flash=True, chunks=1):
     return [sum(per_chunk[rank::pp]) for rank in range(pp)]
 
 
-def expert_matmul_slowdown(model, tokens, tp, ep, rate, hw, fp8=False):
+def expert_matmul_slowdown(model, tokens, tp, ep, rate, hw, fp8=False,
+                           grad_bytes=VALUE_BYTES):
     """How much longer the routed experts' matrix products take than their FLOPs at `rate`
     say (>= 1), by the roofline: a product runs at the slower of its FLOPs and the HBM
     traffic of its operands and result, read and written once (Williams et al., 2009).
@@ -619,23 +620,27 @@ def expert_matmul_slowdown(model, tokens, tp, ep, rate, hw, fp8=False):
     (`tokens`: a micro-batch's on one tensor-parallel group, which Megatron-Core's
     dispatcher gathers for each rank; routing balanced) against weights of
     hidden x width / tp: a few hundred tokens bring it near the roofline's ridge, where HBM
-    traffic rather than arithmetic can bound it. Weighted by the FLOPs of the expert's two
-    matrices. A lower bound on the time: the datasheet's bandwidth, none of the tile and
-    wave quantization small products also pay, and backward charged the forward's ratio,
-    though the weights' gradient is written (and read back where it is accumulated) at 16
-    or 32 bits."""
+    traffic rather than arithmetic can bound it. Each of the two matrices runs three
+    products of the same FLOPs: forward, the inputs' gradient, and the weights' gradient,
+    which adds into the gradient buffer (`grad_bytes` a value, read and written, as
+    Megatron-Core's fused gradient accumulation does). A lower bound on the time: the
+    datasheet's bandwidth, and none of the tile and wave quantization small products also
+    pay."""
     rows = ep * tokens * model.top_k / model.experts
     width = model.expert_hidden / tp
     first = width * (1 if model.gpt else 2)          # fc1, or SwiGLU's gate and up
     in_bytes = 1 if fp8 else VALUE_BYTES             # FP8 operands, 16-bit results
     speed = rate * (precision_model.FP8_PEAK_RATIO if fp8 else 1)
-    flops = slow = 0.0
+    bandwidth = hw.memory_tb_s * 1e12
+    compute = slow = 0.0
     for k, n in ((model.hidden, first), (width, model.hidden)):
-        product = 2 * rows * k * n
-        traffic = in_bytes * (rows * k + k * n) + VALUE_BYTES * rows * n
-        flops += product
-        slow += product * max(1.0, traffic / (hw.memory_tb_s * 1e12) / (product / speed))
-    return slow / flops
+        seconds = 2 * rows * k * n / speed
+        for traffic in (in_bytes * (rows * k + k * n) + VALUE_BYTES * rows * n,   # Y = X W
+                        in_bytes * (rows * n + k * n) + VALUE_BYTES * rows * k,   # dX = dY W'
+                        in_bytes * (rows * k + rows * n) + 2 * grad_bytes * k * n):  # dW +=
+            compute += seconds
+            slow += max(seconds, traffic / bandwidth)
+    return slow / compute
 
 
 # Layers an end stage may give up to the others (Llama 3 took one off each end; Megatron-LM
@@ -882,8 +887,9 @@ def step_time(model, layout, settings, hw):
     if model.experts:   # the routed experts' products where their operands' traffic bounds them
         routed = 6 * model.top_k * model.moe_layers * model.mlp(model.expert_hidden)[0]
         routed_s = routed / (precision_model.FP8_PEAK_RATIO if fp8 else 1) * tokens / n / rate
-        slowdown = expert_matmul_slowdown(model, b * (model.seq // cp), tp, ep, rate, hw,
-                                          settings.precision == "fp8")
+        slowdown = expert_matmul_slowdown(
+            model, b * (model.seq // cp), tp, ep, rate, hw, settings.precision == "fp8",
+            precision_model.RECIPES[settings.states].grads)
         compute += routed_s * (slowdown - 1)
     forward = compute / 3
     extra = {"none": 0.0, "full": forward,
