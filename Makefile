@@ -37,7 +37,7 @@ OFFLINE_ENV = BOOK_MATHJAX_DIR=$(abspath $(MATHJAX)) BOOK_PYODIDE_DIR=$(abspath 
 # packages changed (scripts/book_cache.py empties the execution cache then).
 JB_FLAGS := --all -W -n --keep-going
 
-.PHONY: help venv book test pytest htmlcheck lab serve linkcheck notebooks clean pyodide mathjax \
+.PHONY: help venv book test test-start pytest htmlcheck lab serve linkcheck notebooks clean pyodide mathjax \
 	gpu-references
 
 help:
@@ -123,7 +123,12 @@ $(MATHJAX)/tex-mml-chtml.js: _config.yml | $(BIN)/activate
 
 # Where npm is present, the site the tests check is the one that reads offline
 test: OFFLINE = $(if $(shell command -v npm),1)
-test: pytest book htmlcheck
+test: test-start pytest book htmlcheck
+	@$(BIN)/python scripts/make_test_units.py
+
+# the start of `make test`, before the environment exists: its units are counted from here
+test-start:
+	@python3 scripts/make_test_units.py --start
 
 lab: venv
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m torch.distributed.run \
