@@ -62,3 +62,19 @@ def test_the_cache_is_emptied_and_the_unit_measured_only_when_the_inputs_change(
     assert not (cache / "executed-chapter").exists() and len(measured) == 2
     state = json.loads((cache / book_cache.STATE).read_text())
     assert state["inputs_sha256"] == book_cache.inputs_hash(repo) and state["unit_s"] == 2.0
+
+
+def test_the_unit_is_measured_again_after_the_chapters_once(tmp_path, monkeypatch):
+    """The samples after the chapters join those before (the median of all six); a build
+    that reused the cache, its state already holding them, measures nothing again."""
+    state_file = tmp_path / book_cache.STATE
+    state_file.write_text(json.dumps({"unit_s": 3.0, "unit_samples_s": [3.1, 3.0, 2.9]}))
+    taken = []
+    monkeypatch.setattr(book_cache, "unit_samples",
+                        lambda: taken.append(1) or [3.6, 3.8, 3.4])
+    state = book_cache.add_samples_after(tmp_path)
+    assert state["unit_samples_after_s"] == [3.6, 3.8, 3.4]
+    assert state["unit_s"] == pytest.approx((3.1 + 3.4) / 2)   # the median of six
+    assert json.loads(state_file.read_text()) == state
+    assert book_cache.add_samples_after(tmp_path) == state and len(taken) == 1
+    assert book_cache.add_samples_after(tmp_path / "no-cache") is None
