@@ -47,8 +47,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 # The labs start forked from a process that imported torch once (fork_launch.py), unless
-# LABS_FORK_LAUNCH=0; about half of the suite's CPU time was those imports.
-FORK_LAUNCH = os.environ.get("LABS_FORK_LAUNCH", "1") != "0"
+# LABS_FORK_LAUNCH=0; about half of the suite's CPU time was those imports. Linux only by
+# default: macOS's system libraries are not safe to fork after they have been loaded.
+FORK_LAUNCH = os.environ.get("LABS_FORK_LAUNCH", "1" if sys.platform == "linux" else "0") != "0"
 _launcher = None
 
 
