@@ -13,11 +13,11 @@ status page shows each chapter's units against its own budget.
 import json
 import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from book_cache import REPO, STATE   # the unit's record, where the book build keeps it
+
 START = REPO / "_build" / "make_test_start"
-UNIT = REPO / "_build" / ".jupyter_cache" / "book_inputs.json"   # scripts/book_cache.py
+UNIT = REPO / "_build" / ".jupyter_cache" / STATE
 BUDGET_UNITS = 150
 
 

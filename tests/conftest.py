@@ -17,7 +17,7 @@ import pytest
 LABS = Path(__file__).resolve().parent.parent / "labs"
 sys.path.insert(0, str(LABS))
 
-from labkit.runtime.launch import lab_environment  # noqa: E402 (needs LABS on the path)
+from labkit.runtime import launch  # noqa: E402 (needs LABS on the path)
 
 
 def pytest_configure(config):
@@ -60,7 +60,6 @@ def fork_launch():
         yield None
         return
     from fork_launch import ForkLauncher
-    from labkit.runtime import launch
 
     _launcher = ForkLauncher(launch.lab_environment({}))
 
@@ -75,7 +74,7 @@ def fork_launch():
 
 def run_script(lab, *args, env_extra=None, timeout=120):
     """`python labs/<lab>.py args...` as a world of one (no torchrun); returns CompletedProcess."""
-    env = lab_environment({"OMP_NUM_THREADS": "1", **(env_extra or {})})
+    env = launch.lab_environment({"OMP_NUM_THREADS": "1", **(env_extra or {})})
     command = [sys.executable, str(LABS / f"{lab}.py"), *map(str, args)]
     forked = _launcher and _launcher.start(command, env, os.getcwd(), merge_stderr=False)
     if not forked:
