@@ -26,7 +26,8 @@ Launch lines (from the repository root):
                                --fp8-activations
 
 --json prints {model, hardware, settings, global_batch_tokens, configurations}: the
-configurations fastest first, each {dp, tp, pp, cp, ep, chunks, zero, micro_batch,
+configurations fastest first, each {dp, tp, pp, cp, ep, etp (the experts' tensor
+parallelism: tp, or 1 where a mixture of experts keeps them whole), chunks, zero, micro_batch,
 microbatches, recompute, checkpointing (recompute == full), sequence_parallel,
 stage_layers (the layers of each pipeline stage: the planner takes up to two off each end),
 chunk_layers when interleaved (the layers of each of the pp x chunks virtual stages, in order,
@@ -171,7 +172,7 @@ def parse_args(argv=None):
                         help="gradients kept and reduced in an fp32 buffer, as Megatron-LM "
                              "does with bf16: 18 bytes of states per parameter, not 16")
     choose.add_argument("--layout", type=layout_type,
-                        help="evaluate one layout, tp=8,pp=16,dp=128[,cp=..,ep=..,v=..]")
+                        help="evaluate one layout, tp=8,pp=16,dp=128[,cp=..,ep=..,etp=..,v=..]")
     parser.add_argument("--top", type=positive_int, default=10, help="configurations printed")
     parser.add_argument("--json", action="store_true", help="print JSON")
     args = parser.parse_args(None if argv is None else [str(a) for a in argv])
@@ -256,7 +257,7 @@ def run(args):
 
 def describe(c):
     t = c["time_s"]
-    return (f"{c['dp']:>5} {c['tp']:>3} {c['pp']:>3} {c['cp']:>3} {c['ep']:>3} "
+    return (f"{c['dp']:>5} {c['tp']:>3} {c['pp']:>3} {c['cp']:>3} {c['ep']:>3} {c['etp']:>3} "
             f"{c['chunks']:>2} {c['zero']:>5} {c['micro_batch']:>2} {c['microbatches']:>4} "
             f"{c['recompute']:>9} {c['memory_bytes']['total'] / 1e9:>6.1f} "
             f"{t['step']:>7.2f} {t['compute'] + t['recompute']:>7.2f} {t['bubble']:>6.2f} "
@@ -275,7 +276,7 @@ def main(argv=None):
           f"{model.hidden}, {model.heads} heads, seq {model.seq}, vocab {model.vocab}) on "
           f"{args.gpus} GPUs ({args.gpus_per_node} per node, {args.gpu_memory_gb:g} GB), "
           f"{args.global_batch_tokens:,} tokens per step")
-    header = (f"{'dp':>5} {'tp':>3} {'pp':>3} {'cp':>3} {'ep':>3} {'v':>2} {'zero':>5} "
+    header = (f"{'dp':>5} {'tp':>3} {'pp':>3} {'cp':>3} {'ep':>3} {'etp':>3} {'v':>2} {'zero':>5} "
               f"{'b':>2} {'m':>4} {'recompute':>9} {'GB/GPU':>6} {'step s':>7} "
               f"{'compute':>7} {'bubble':>6} {'comm':>6} {'MFU':>5}")
     if found:

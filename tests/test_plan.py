@@ -68,7 +68,9 @@ def test_every_configuration_uses_all_gpus_fits_and_is_ranked(capsys, argv):
     sequences = result["global_batch_tokens"] // model["seq"]
     for c in configurations:
         assert c["dp"] * c["tp"] * c["pp"] * c["cp"] == gpus
-        assert (c["dp"] * c["cp"]) % c["ep"] == 0 and (model["experts"] or 1) % c["ep"] == 0
+        # the experts' etp x ep ranks tile a stage's tp x cp x dp (Megatron-Core's mesh)
+        assert (c["tp"] * c["dp"] * c["cp"]) % (c["ep"] * c["etp"]) == 0
+        assert (model["experts"] or 1) % c["ep"] == 0 and c["etp"] in {1, c["tp"]}
         assert hw["gpus_per_node"] % c["tp"] == 0   # tp inside a node
         assert c["dp"] * c["micro_batch"] * c["microbatches"] == sequences
         assert sum(c["stage_layers"]) == model["layers"] and len(c["stage_layers"]) == c["pp"]
@@ -191,15 +193,19 @@ def test_tensor_parallel_overlap_hides_each_collective_behind_its_own_product():
     # the MLP's products hide their collectives; the attention's (h x h and QKV) do not
     assert 0 < exposed[False] and 0 < exposed[True]
 
-    # a mixture-of-experts layer: its experts' collectives stay whole, its attention's hide
+    # a mixture-of-experts layer: its attention's five hide behind their products, its MLP
+    # issues none (the dispatcher's collectives are expert parallelism's)
     moe = planner.PRESETS["deepseek-v3"]
     layer = moe.dense_layers
     qkv, proj, _, _ = (flops * b * moe.seq / tp / rate
                        for flops in moe.linear_flops_per_token(layer))
     one = time_model.shard_collective_time(2 * b * moe.seq * moe.hidden, tp, *hw.nvlink)
-    moe_pairs = [qkv, proj, 0, 0, 0, proj, 0, 0, qkv, qkv]
+    moe_pairs = [qkv, proj, proj, qkv, qkv]
     moe_outside = planner.tensor_parallel_time(1, moe.seq, b, moe.hidden, tp, False, 1, False,
                                                hw) - 10 * one
+    # without the overlap, the MoE layer's in-layer collectives are its attention's half
+    assert planner.tensor_parallel_time(1, moe.seq, b, moe.hidden, tp, False, 1, False, hw,
+                                        moe_layers=1) == pytest.approx(moe_outside + 5 * one)
     assert planner.tensor_parallel_overlapped_time(
         moe, ((layer, 1),), moe.seq, b, tp, False, 1, False, hw, rate, False) == pytest.approx(
         sum(max(0.0, one - p) for p in moe_pairs) + moe_outside)
@@ -565,7 +571,57 @@ def test_expert_parallelism_divides_the_experts_and_pays_its_all_to_alls():
     t = planner.step_time(model, layout(dp=64, tp=1, pp=1, ep=8, microbatches=8), settings, hw)
     assert t["ep"] > 0
     assert planner.why_not(model, layout(dp=64, tp=1, pp=1, ep=32), settings, hw)
-    assert planner.why_not(planner.PRESETS["llama3-8b"], layout(ep=2), settings, hw)
+    assert "mixture-of-experts" in planner.why_not(planner.PRESETS["llama3-8b"],
+                                                   layout(dp=2, ep=2), settings, hw)
+
+
+def test_expert_tensor_parallelism_splits_the_experts_or_keeps_them_whole():
+    """etp: the experts' matrices split as attention's (tp) or whole (1). Megatron-Core
+    lays etp x ep x edp over a stage's tp x cp x dp ranks, etp innermost; its all-to-all
+    dispatcher then gathers each received copy over the etp ranks."""
+    model = planner.Model(8, 2048, 16, 2048, 32000, gpt=False, experts=16, top_k=2,
+                          expert_hidden=1024)
+    hw, settings = planner.Hardware(64), planner.Settings(global_batch_tokens=2 ** 20)
+    h, k, f = model.hidden, model.top_k, model.expert_hidden
+    # the experts' weights: split etp ways, not tp
+    (dense2, split), (dense1, whole) = (model.layer_params(1, 2, 8, False, etp)
+                                        for etp in (2, 1))
+    assert dense1 == dense2 and whole == 2 * split == 16 / 8 * 3 * h * f
+    # their data parallelism: tp x cp x dp / (ep x etp) ranks hold the same expert
+    assert planner.expert_replicas(32, 2, 8, 1) == 8 and planner.expert_replicas(32, 2, 8) == 4
+    # memory: whole experts hold twice the weights over twice the replicas; the dispatcher
+    # gathers the routed copies' inputs and outputs (2h each) of the etp ranks
+    assert model.layer_activation_values(1, 2, etp=2) - model.layer_activation_values(
+        1, 2, etp=1) == k * 2 * h * (2 - 1) / 2
+    # the dispatcher's passes: the all-to-all over ep ranks etp apart (ep 8 inside one node
+    # when etp is 1, over two nodes at etp 2), and at etp 2 the copies' all-gather
+    tokens = 2048 / 2
+    a2a_inside = hw.nvlink[0] + 2 * tokens * h * k * 7 / 8 / hw.nvlink[1]
+    assert planner.dispatch_collective_time(model, tokens, 8, 1, hw) == pytest.approx(a2a_inside)
+    gather = time_model.shard_collective_time(2 * 2 * tokens * k * h, 2, *hw.nvlink)
+    two_nodes = planner.dispatch_collective_time(model, tokens, 8, 2, hw) - gather
+    assert two_nodes > a2a_inside                                  # over the network
+    assert planner.dispatch_collective_time(model, tokens, 1, 2, hw) == pytest.approx(gather)
+    # a step: 4 passes a MoE layer and micro-batch; with tp 2 the MoE layers' MLPs issue no
+    # tensor-parallel collectives of their own
+    base = layout(dp=32, tp=2, pp=1, ep=8, micro_batch=1, microbatches=16)
+    t = {etp: planner.step_time(model, {**base, "etp": etp}, settings, hw) for etp in (1, 2)}
+    for etp in (1, 2):
+        assert t[etp]["ep"] == pytest.approx(4 * 8 * 16 * planner.dispatch_collective_time(
+            model, tokens, 8, etp, hw))
+    assert t[1]["tp"] == t[2]["tp"] == pytest.approx(planner.tensor_parallel_time(
+        8, 2048, 1, h, 2, True, 16, False, hw, moe_layers=8))
+    assert t[1]["ep"] < t[2]["ep"]
+    # what cannot be laid out
+    assert "etp 3" in planner.why_not(model, {**base, "etp": 3}, settings, hw)
+    assert planner.why_not(model, {**base, "ep": 16, "etp": 2, "dp": 32}, settings, hw) is None
+    assert "ep x etp" in planner.why_not(model, {**base, "dp": 4, "pp": 8, "ep": 16, "etp": 2},
+                                         settings, hw)
+    assert "mixture-of-experts" in planner.why_not(planner.PRESETS["llama3-8b"],
+                                                   layout(dp=2, etp=1), settings, hw)
+    # --layout: etp is tp unless given
+    assert planner.parse_layout("tp=2,pp=8,dp=64,ep=64")["etp"] == 2
+    assert planner.parse_layout("tp=2,pp=8,dp=64,ep=64,etp=1")["etp"] == 1
 
 
 def test_small_expert_products_are_bound_by_their_memory_traffic():

@@ -26,7 +26,7 @@ def test_the_planner_answers_as_the_command_line_does(capsys, matmuls, tp_overla
     assert ("--tp-comm-overlap" in result["command"]) == (tp_overlap == "gemm")
     plan.main(result["command"].split()[2:] + ["--json"])
     cli = json.loads(capsys.readouterr().out)
-    keys = ("dp", "tp", "pp", "cp", "ep", "chunks", "zero", "micro_batch", "recompute")
+    keys = ("dp", "tp", "pp", "cp", "ep", "etp", "chunks", "zero", "micro_batch", "recompute")
     assert [tuple(c[k] for k in keys) for c in result["planner"]["best"]] == \
         [tuple(c[k] for k in keys) for c in cli["configurations"][:sizing.TOP]]
     assert result["layout"]["rank"] == cli["layout"]["rank"]
@@ -39,6 +39,7 @@ def test_a_mixture_of_experts_preset_is_planned_with_expert_parallelism():
                          "layout": "tp=1,pp=16,dp=128,ep=64"})
     assert result["model"]["active_params"] < result["model"]["params"] / 10
     assert result["layout"]["rank"] is not None and result["layout"]["ep"] == 64
+    assert result["layout"]["etp"] == 1   # tp 1: the experts whole
 
 
 @pytest.mark.parametrize("fields, words", [

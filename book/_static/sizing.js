@@ -97,6 +97,8 @@
     let text = `tp ${c.tp} · pp ${c.pp} · dp ${c.dp}`;
     if (c.cp > 1) text += ` · cp ${c.cp}`;
     if (c.ep > 1) text += ` · ep ${c.ep}`;
+    // the experts' tensor parallelism, where it is not the attention's (tp)
+    if (c.etp !== undefined && c.etp !== c.tp) text += ` · etp ${c.etp}`;
     if (c.chunks > 1) text += `, v ${c.chunks}`;
     return text;
   }

@@ -15,10 +15,13 @@ meshes, tp innermost, pp outermost: [pp, dp, cp, tp]):
       pipeline sends hidden behind computation as far as it lasts, as DualPipe overlaps
       them (DeepSeek-V3 §3.2.1)
   ep  expert parallelism, for mixture-of-experts shapes: each MoE layer's experts over ep
-      of the dp x cp ranks, the experts keeping tp (Megatron-Core's default expert tensor
-      parallelism; Megatron-Core carves ep x etp out of tp x cp x dp, torchtitan ep out
-      of dp_shard x cp x tp): ep divides dp x cp and does not multiply N; the experts'
-      own data parallelism is dp x cp / ep
+      ranks, their matrices split etp ways (expert tensor parallelism: tp, Megatron-Core's
+      default, or 1, the experts whole, as DeepSeek-V3's runs keep them). Megatron-Core
+      lays etp x ep x edp over a stage's tp x cp x dp ranks, etp innermost (torchtitan
+      carves ep out of dp_shard x cp x tp): ep x etp divides tp x cp x dp and does not
+      multiply N; the experts' own data parallelism is edp = tp x cp x dp / (ep x etp).
+      Tokens reach their experts through Megatron-Core's all-to-all dispatcher
+      (dispatch_collective_time)
 N = dp x cp x pp x tp.
 
 Memory (the fullest pipeline stage, memory_model's accounting): mixed-precision Adam
@@ -182,11 +185,12 @@ class Model(HashedOnce):
             return 2 * h * ffn + ffn, h
         return 3 * h * ffn, 0
 
-    def layer_params(self, layer, tp=1, ep=1, matrices_only=False):
+    def layer_params(self, layer, tp=1, ep=1, matrices_only=False, etp=None):
         """(dense, expert) parameters one rank holds of layer `layer`, split tp ways, its
-        routed experts ep ways (their matrices tp ways too, as Megatron-Core's default).
-        matrices_only: the linear layers' weights alone (the split parts, their small
-        column-parallel biases with them), what an FP8 recipe casts: no norms, no router."""
+        routed experts ep ways and their matrices etp ways (expert tensor parallelism;
+        None: tp, Megatron-Core's default). matrices_only: the linear layers' weights
+        alone (the split parts, their small column-parallel biases with them), what an
+        FP8 recipe casts: no norms, no router."""
         split, replicated = self.attention()
         keep = 0 if matrices_only else 1
         if self.experts and layer >= self.dense_layers:
@@ -195,7 +199,7 @@ class Model(HashedOnce):
             router = self.hidden * self.experts
             dense = (split + shared) / tp + keep * (replicated + router
                                                     + self.shared_experts * e_repl)
-            return dense, self.experts / ep * (e_split / tp + keep * e_repl)
+            return dense, self.experts / ep * (e_split / (etp or tp) + keep * e_repl)
         m_split, m_repl = self.mlp(self.ffn)
         return (split + m_split) / tp + keep * (replicated + m_repl), 0
 
@@ -263,14 +267,17 @@ class Model(HashedOnce):
     # Activations: values one layer keeps per token (Korthikanti et al., 2022)
 
     def layer_activation_values(self, layer, tp, sequence_parallel=True, flash=True,
-                                fp8_activations=False):
+                                fp8_activations=False, etp=None):
         """16-bit values per token one layer keeps for backward on one of tp ranks, no
         dropout: the norms' inputs 2h, the QKV input h, Q, K, V and attention's output
         at their widths (attention_widths: h, h_kv, h_kv and h with hidden / heads per
         head), the MLP's input h, the MLP's inner values (GELU's input and output 2f;
         SwiGLU's gate, up and their product 3f; a MoE layer: k routed copies of the input,
         inner values and output, and the shared experts'). The norms' and matmul inputs
-        (4h) are replicated over tp unless sequence parallelism splits the tokens.
+        (4h) are replicated over tp unless sequence parallelism splits the tokens. A rank
+        of a MoE layer's experts holds the routed copies of etp ranks' tokens (None: tp),
+        gathered by Megatron-Core's dispatcher, their inputs and outputs whole and their
+        inner values split etp ways: k (2h etp + inner f) / tp per token of the tp group.
         Without a fused attention, the softmax's output: heads x s more per token.
         fp8_activations: cached as DeepSeek-V3 caches them (§3.3.3): the QKV and MLP
         inputs (and each routed slot's input) in FP8, half a 16-bit value; attention's
@@ -279,7 +286,9 @@ class Model(HashedOnce):
         (GELU's input likewise, its output recomputed)."""
         h, split_inputs = self.hidden, (tp if sequence_parallel else 1)
         inner_per_width = 2 if self.gpt else 3
-        if self.experts and layer >= self.dense_layers:   # the routing taken as even
+        moe = self.experts and layer >= self.dense_layers
+        gathered = (etp or tp) if moe else 1   # ranks whose routed copies one rank holds
+        if moe:   # the routing taken as even
             mlp = memory_model.moe_layer_activation_values(
                 h, self.expert_hidden, self.top_k, self.shared_experts, inner_per_width)
         else:
@@ -287,13 +296,15 @@ class Model(HashedOnce):
         q, k, v, out = self.attention_widths()
         split = q + k + v + out + mlp
         values = 4 * h / split_inputs + split / tp
+        if moe:   # the routed copies' inputs and outputs of the other etp - 1 ranks
+            values += self.top_k * 2 * h * (gathered - 1) / tp
         if fp8_activations:
             # of an MLP's inner values: the gate and up halved, the product not kept (2f of
             # SwiGLU's 3f); GELU's input halved, its output not kept (1.5f of 2f)
             saved_inner = 2.0 if inner_per_width == 3 else 1.5
-            if self.experts and layer >= self.dense_layers:
-                inner = self.top_k * (0.5 * h + saved_inner * self.expert_hidden) + \
-                    self.shared_experts * saved_inner * self.expert_hidden
+            if moe:
+                inner = self.top_k * (0.5 * h * gathered + saved_inner * self.expert_hidden) \
+                    + self.shared_experts * saved_inner * self.expert_hidden
             else:
                 inner = saved_inner * self.ffn
             values -= 0.5 * 2 * h / split_inputs + (0.25 * out + inner) / tp
@@ -386,17 +397,27 @@ def priced(collectives, size, per_node, hw, gather_bytes=VALUE_BYTES, reduce_byt
 
 @functools.lru_cache(maxsize=65536)
 def tensor_parallel_time(layers, seq, batch, hidden, tp, embedding, microbatches, recompute,
-                         hw, fp8=False):
+                         hw, fp8=False, moe_layers=0):
     """Seconds of one rank's tensor-parallel collectives in a step, sequence parallelism
     on (comm_model.tensor_parallel_collectives: the head's on the stage, the embedding's
     too when it is the only stage), each at its ring time on NVLink. With `fp8` the layers'
     all-gathers carry one byte a value: Transformer Engine casts a linear layer's input,
-    and its output's gradient, to FP8 before gathering them."""
+    and its output's gradient, to FP8 before gathering them. Of `layers`, `moe_layers` are
+    mixture-of-experts layers, which issue only their attention's half (the MLP's half
+    has the same sizes): their MLP's collectives are the dispatcher's
+    (dispatch_collective_time)."""
     layer_part, outside, once = tensor_parallel_plan(layers, seq, batch, hidden, tp,
                                                      embedding, recompute)
     gather = 1 if fp8 else VALUE_BYTES
-    return (microbatches * (priced(layer_part, tp, tp, hw, gather_bytes=gather)
-                            + priced(outside, tp, tp, hw)) + priced(once, tp, tp, hw))
+    in_layers = priced(layer_part, tp, tp, hw, gather_bytes=gather) * (1 - moe_layers / layers / 2)
+    return (microbatches * (in_layers + priced(outside, tp, tp, hw)) + priced(once, tp, tp, hw))
+
+
+def moe_count(model, spans):
+    """The mixture-of-experts layers of `spans`, layer_kinds' (a layer of the kind, how
+    many) pairs."""
+    return sum(count for index, count in spans
+               if model.experts and index >= model.dense_layers)
 
 
 def tensor_parallel_plan(layers, seq, batch, hidden, tp, embedding, recompute):
@@ -430,9 +451,9 @@ def tensor_parallel_overlapped_time(model, spans, seq, batch, tp, embedding,
                      (for the weight gradient) whole, beside the dgrad product, and the
                      dgrad's reduce-scatter whole, beside the weight-gradient product
                      (wgrad, as many FLOPs as the forward).
-    Full recomputation repeats the forward's four. A mixture-of-experts layer's MLP
-    collectives stay whole: Transformer Engine's grouped expert layers do not take part in
-    the overlap. The products run at `rate` FLOP/s, the linear layers'
+    Full recomputation repeats the forward's four. A mixture-of-experts layer's MLP has
+    none of these: its dispatcher's collectives (dispatch_collective_time) are priced with
+    expert parallelism, exposed. The products run at `rate` FLOP/s, the linear layers'
     precision_model.FP8_PEAK_RATIO times faster where `fp8`; an FP8 run also moves its
     all-gathers and the pipelined reduce-scatters in one byte a value (Transformer
     Engine's FP8 communication buffers; NeMo's FP8 overlap configuration sets fp8_buf for
@@ -453,12 +474,14 @@ def tensor_parallel_overlapped_time(model, spans, seq, batch, tp, embedding,
     for layer in (i for start, count in spans for i in range(start, start + count)):
         qkv, proj, fc1, fc2 = (flops * batch * seq / tp / rate / speed
                                for flops in model.linear_flops_per_token(layer))
-        if model.experts and layer >= model.dense_layers:
-            fc1 = fc2 = 0.0   # nothing hides the experts' collectives
-        forward = [(narrow, qkv), (narrow, proj), (narrow, fc1), (narrow, fc2)]
-        pairs = forward + [(narrow, fc2), (narrow, proj),            # ring_exchange dgrad
-                           (narrow, fc1), (wide, fc1), (narrow, qkv), (wide, qkv)]   # bulk
-        pairs += forward if recompute else []
+        attention = [(narrow, qkv), (narrow, proj)]
+        mlp = [(narrow, fc1), (narrow, fc2)]
+        pairs = [(narrow, proj), (narrow, qkv), (wide, qkv)]    # ring_exchange dgrad, bulk
+        pairs += [(narrow, fc2), (narrow, fc1), (wide, fc1)]    # the same of the MLP
+        if model.experts and layer >= model.dense_layers:   # the dispatcher's instead
+            mlp, pairs = [], pairs[:3]
+        forward = attention + mlp
+        pairs += forward * (2 if recompute else 1)
         exposed += sum(max(0.0, comm - product) for comm, product in pairs)
     _, outside, once = tensor_parallel_plan(layers, seq, batch, model.hidden, tp, embedding,
                                             recompute)
@@ -478,20 +501,22 @@ def data_parallel_time(zero, params, microbatches, units, size, per_node, hw,
 
 
 @functools.lru_cache(maxsize=65536)
-def stage_params(model, first_layer, layers, tp, ep, first, last, matrices_only=False):
+def stage_params(model, first_layer, layers, tp, ep, first, last, matrices_only=False,
+                 etp=None):
     """(dense, expert) parameters one rank of a stage holds: `layers` layers from
     `first_layer`, the embedding if `first`, the final norm and head if `last`;
     matrices_only: the layers' linear weights alone (Model.layer_params)."""
-    return rank_params(model, ((first_layer, layers),), tp, ep, first, last, matrices_only)
+    return rank_params(model, ((first_layer, layers),), tp, ep, first, last, matrices_only,
+                       etp)
 
 
 @functools.lru_cache(maxsize=65536)
-def rank_params(model, spans, tp, ep, first, last, matrices_only=False):
+def rank_params(model, spans, tp, ep, first, last, matrices_only=False, etp=None):
     """stage_params of a rank whose chunks hold the layers of `spans`, ((first layer,
     layers), ...)."""
     dense = expert = 0
     for index, count in layer_kinds(model, spans):   # a layer's count depends on its kind
-        d, e = model.layer_params(index, tp, ep, matrices_only)
+        d, e = model.layer_params(index, tp, ep, matrices_only, etp)
         dense, expert = dense + count * d, expert + count * e
     if matrices_only:
         return dense, expert
@@ -500,10 +525,11 @@ def rank_params(model, spans, tp, ep, first, last, matrices_only=False):
 
 @functools.lru_cache(maxsize=65536)
 def stage_footprints(model, cut, tp, ep, replicas, zero, recompute, flash,
-                     fp8_activations=False, states="mixed", chunks=1):
+                     fp8_activations=False, states="mixed", chunks=1, etp=None):
     """Per pipeline stage, what one rank holds whatever the micro-batches: (its model
     states {params, grads, optimizer, total} in mixed-precision Adam, the dense weights
-    over `replicas` ranks and each expert's over replicas / ep; the activation values per
+    over `replicas` ranks and each expert's over replicas x tp / (ep x etp), the experts'
+    own data parallelism (etp None: tp); the activation values per
     token it keeps for a micro-batch in flight; those of the one layer that full
     recomputation rebuilds at a time), the ranks holding `cut`'s chunks (chunk_split).
     Many layouts share these, so they are kept."""
@@ -512,10 +538,10 @@ def stage_footprints(model, cut, tp, ep, replicas, zero, recompute, flash,
     for stage, chunk_spans in ranks:
         first, last = stage == 0, stage == len(ranks) - 1
         count = sum(layers for _, layers in chunk_spans)
-        dense, experts = rank_params(model, chunk_spans, tp, ep, first, last)
+        dense, experts = rank_params(model, chunk_spans, tp, ep, first, last, False, etp)
         held = state_bytes(dense, replicas, zero, states)
         if experts:
-            e = state_bytes(experts, max(1, replicas // ep), zero, states)
+            e = state_bytes(experts, expert_replicas(replicas, tp, ep, etp), zero, states)
             held = {k: held[k] + e[k] for k in held}
         if zero == "zero3":
             # the layer that runs is gathered whole, its 16-bit weights and its 16-bit
@@ -524,19 +550,19 @@ def stage_footprints(model, cut, tp, ep, replicas, zero, recompute, flash,
             # largest module (memory_model.zero_offload_gpu_bytes), a lower bound for FSDP,
             # which also prefetches the next layer; of a MoE layer, its dense part and the
             # experts of this rank's ep share
-            largest = largest_layer_params(model, chunk_spans, tp, ep)
+            largest = largest_layer_params(model, chunk_spans, tp, ep, etp)
             whole = {"params": held["params"] + VALUE_BYTES * largest,
                      "grads": held["grads"] + VALUE_BYTES * largest}
             held = {**held, **whole, "total": held["total"] + 2 * VALUE_BYTES * largest}
         if recompute == "full":     # each layer's input, and one layer rebuilt at a time
             kept = count * model.hidden / tp
             rebuilt = max(stage_activation_values(model, start, layers, tp, flash,
-                                                  fp8_activations)[1]
+                                                  fp8_activations, etp)[1]
                           for start, layers in chunk_spans)
         else:   # selective recomputation rebuilds attention's s x s part: none kept
             kept = sum(stage_activation_values(model, start, layers, tp,
                                                flash or recompute != "none",
-                                               fp8_activations)[0]
+                                               fp8_activations, etp)[0]
                        for start, layers in chunk_spans)
             rebuilt = 0
         footprints.append((held, kept, rebuilt))
@@ -563,9 +589,18 @@ def rank_layers(model, cut, chunks=1):
 
 
 @functools.lru_cache(maxsize=65536)
-def largest_layer_params(model, spans, tp, ep):
+def largest_layer_params(model, spans, tp, ep, etp=None):
     """The parameters one rank holds of its largest layer, its chunks holding `spans`."""
-    return max(sum(model.layer_params(index, tp, ep)) for index, _ in layer_kinds(model, spans))
+    return max(sum(model.layer_params(index, tp, ep, False, etp))
+               for index, _ in layer_kinds(model, spans))
+
+
+def expert_replicas(replicas, tp, ep, etp=None):
+    """The ranks holding the same expert weights, the experts' data parallelism, of
+    `replicas` ranks holding the same dense weights: Megatron-Core lays the experts' etp x
+    ep x edp over the same tp x cp x dp ranks (memory_model.expert_data_parallel_size of a
+    stage's ranks), so edp = tp x cp x dp / (ep x etp)."""
+    return memory_model.expert_data_parallel_size(replicas * tp, 1, ep, etp or tp)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -576,9 +611,10 @@ def state_bytes(params, replicas, zero, states):
 
 
 @functools.lru_cache(maxsize=65536)
-def stage_activation_values(model, first_layer, layers, tp, flash, fp8_activations=False):
+def stage_activation_values(model, first_layer, layers, tp, flash, fp8_activations=False,
+                            etp=None):
     """(sum, largest) of layer_activation_values over a stage's layers."""
-    values = [model.layer_activation_values(i, tp, True, flash, fp8_activations)
+    values = [model.layer_activation_values(i, tp, True, flash, fp8_activations, etp)
               for i in range(first_layer, first_layer + layers)]
     return sum(values), max(values, default=0)
 
@@ -611,23 +647,23 @@ def stage_flops(model, cut, flash=True, chunks=1):
     return [sum(per_chunk[rank::pp]) for rank in range(pp)]
 
 
-def expert_matmul_slowdown(model, tokens, tp, ep, rate, hw, fp8=False,
+def expert_matmul_slowdown(model, tokens, etp, ep, rate, hw, fp8=False,
                            grad_bytes=VALUE_BYTES):
     """How much longer the routed experts' matrix products take than their FLOPs at `rate`
     say (>= 1), by the roofline: a product runs at the slower of its FLOPs and the HBM
     traffic of its operands and result, read and written once (Williams et al., 2009).
     One of a rank's experts sees ep x tokens x top_k / experts tokens per micro-batch
-    (`tokens`: a micro-batch's on one tensor-parallel group, which Megatron-Core's
-    dispatcher gathers for each rank; routing balanced) against weights of
-    hidden x width / tp: a few hundred tokens bring it near the roofline's ridge, where HBM
-    traffic rather than arithmetic can bound it. Each of the two matrices runs three
+    (`tokens`: a micro-batch's on the etp ranks of an expert tensor-parallel group, whose
+    routed copies Megatron-Core's dispatcher gathers for each of them; routing balanced)
+    against weights of hidden x expert_hidden / etp: a few hundred tokens bring it near
+    the roofline's ridge, where HBM traffic rather than arithmetic can bound it. Each of the two matrices runs three
     products of the same FLOPs: forward, the inputs' gradient, and the weights' gradient,
     which adds into the gradient buffer (`grad_bytes` a value, read and written, as
     Megatron-Core's fused gradient accumulation does). A lower bound on the time: the
     datasheet's bandwidth, and none of the tile and wave quantization small products also
     pay."""
     rows = ep * tokens * model.top_k / model.experts
-    width = model.expert_hidden / tp
+    width = model.expert_hidden / etp
     first = width * (1 if model.gpt else 2)          # fc1, or SwiGLU's gate and up
     in_bytes = 1 if fp8 else VALUE_BYTES             # FP8 operands, 16-bit results
     speed = rate * (precision_model.FP8_PEAK_RATIO if fp8 else 1)
@@ -755,13 +791,13 @@ def stage_spans(cut, chunks=1):
 
 @functools.lru_cache(maxsize=65536)
 def slowest_data_parallel_time(model, cut, tp, ep, zero, microbatches, replicas, precision,
-                               hw, states, chunks=1):
+                               hw, states, chunks=1, etp=None):
     """The longest of the ranks' data-parallel times (stage_data_parallel_time): the
     pipeline moves at its slowest stage."""
     ranks = rank_layers(model, cut, chunks)
     return max(stage_data_parallel_time(model, chunk_spans, stage == 0, stage == len(ranks) - 1,
                                         tp, ep, zero, microbatches, replicas, precision, hw,
-                                        states)
+                                        states, etp)
                for stage, chunk_spans in ranks)
 
 
@@ -775,22 +811,56 @@ def most_moe_layers(model, cut, chunks=1):
 
 @functools.lru_cache(maxsize=65536)
 def stage_data_parallel_time(model, spans, first, last, tp, ep, zero, microbatches,
-                             replicas, precision, hw, states="mixed"):
+                             replicas, precision, hw, states="mixed", etp=None):
     """Seconds of one rank's data-parallel collectives in a step, its chunks holding the
-    layers of `spans` ((first layer, layers), ...): its dense parameters
-    over the dp x cp replicas (tp apart), its experts' over replicas / ep (tp x ep apart),
-    the parameters gathered in the recipe's bytes (FP8 for the linear weights under fp8)."""
-    dense, experts = rank_params(model, spans, tp, ep, first, last)
-    matrices = rank_params(model, spans, tp, ep, first, last, True)
+    layers of `spans` ((first layer, layers), ...): its dense parameters over the dp x cp
+    replicas (tp apart), its experts' over their own data parallelism (expert_replicas,
+    etp x ep apart), the parameters gathered in the recipe's bytes (FP8 for the linear
+    weights under fp8)."""
+    etp = etp or tp
+    dense, experts = rank_params(model, spans, tp, ep, first, last, False, etp)
+    matrices = rank_params(model, spans, tp, ep, first, last, True, etp)
     count = sum(layers for _, layers in spans)
     total = 0.0
-    for params, fp8_params, size, inner in ((dense, matrices[0], replicas, tp),
-                                            (experts, matrices[1], replicas // ep, tp * ep)):
+    for params, fp8_params, size, inner in (
+            (dense, matrices[0], replicas, tp),
+            (experts, matrices[1], expert_replicas(replicas, tp, ep, etp), etp * ep)):
         if params and size > 1:
             per_node = members_per_node(inner, size, hw)
             gather = precision_model.gather_bytes_per_value(precision, fp8_params / params)
             total += data_parallel_time(zero, params, microbatches, count, size, per_node, hw,
                                         gather, precision_model.RECIPES[states].reduce)
+    return total
+
+
+@functools.lru_cache(maxsize=4096)
+def dispatch_collective_time(model, tokens, ep, etp, hw):
+    """Seconds of one of a MoE layer's four dispatcher passes for one micro-batch (the
+    dispatch and the combine forward, and their gradients backward), as Megatron-Core's
+    all-to-all dispatcher runs them: a rank's `tokens` (its sequence-parallel share of a
+    micro-batch) go to their top_k experts over the ep ranks, an all-to-all whose ranks sit
+    etp apart; each copy a rank receives is then gathered over the etp ranks that split its
+    expert's matrices (an all-gather on NVLink; the combine reduce-scatters it back)."""
+    total = 0.0
+    if ep > 1:
+        per_node = members_per_node(etp, ep, hw)
+        nodes = max(1, ep // per_node)
+        copies = model.top_k * (ep - 1) / ep
+        nv_bytes = VALUE_BYTES * tokens * model.hidden * copies
+        if nodes > 1:
+            # node-limited: one copy per node reached, forwarded inside it; otherwise one
+            # copy per routed expert on another node
+            off_node = float(comm_model.expected_network_copies(
+                model.experts, nodes, model.top_k, model.node_limit or None,
+                once_per_node=bool(model.node_limit)))
+            net_bytes = VALUE_BYTES * tokens * model.hidden * off_node
+            total += max(hw.network[0] + net_bytes / hw.network[1],
+                         hw.nvlink[0] + nv_bytes / hw.nvlink[1])
+        else:
+            total += hw.nvlink[0] + nv_bytes / hw.nvlink[1]
+    if etp > 1:   # the gathered copies of the etp ranks' tokens, top_k of each
+        gathered = VALUE_BYTES * etp * tokens * model.top_k * model.hidden
+        total += time_model.shard_collective_time(gathered, etp, *hw.nvlink)
     return total
 
 
@@ -822,7 +892,7 @@ def memory(model, layout, settings, hw):
     cut = chunk_split(model, pp, v, settings.flash_attention)
     footprints = stage_footprints(model, cut, tp, ep, replicas, zero, recompute,
                                   settings.flash_attention, settings.fp8_activations,
-                                  settings.states, v)
+                                  settings.states, v, layout.get("etp", tp))
     # the last stage's head: the final norm's input and output (split by sequence
     # parallelism) and the logits' softmax in fp32, split over the vocabulary, for the
     # micro-batch whose backward comes next (memory_model.stage_activation_bytes)
@@ -874,6 +944,7 @@ def memory(model, layout, settings, hw):
 def step_time(model, layout, settings, hw):
     """{compute, recompute, bubble, tp, pp, dp, cp, ep, step} seconds of one step."""
     dp, tp, pp, cp, ep, v = (layout[k] for k in ("dp", "tp", "pp", "cp", "ep", "chunks"))
+    etp = layout.get("etp", tp)
     b, m, zero, recompute = (layout[k] for k in ("micro_batch", "microbatches", "zero",
                                                   "recompute"))
     n, rate = hw.gpus, hw.peak_tflops * 1e12 * settings.mfu
@@ -888,8 +959,8 @@ def step_time(model, layout, settings, hw):
         routed = 6 * model.top_k * model.moe_layers * model.mlp(model.expert_hidden)[0]
         routed_s = routed / (precision_model.FP8_PEAK_RATIO if fp8 else 1) * tokens / n / rate
         slowdown = expert_matmul_slowdown(
-            model, b * (model.seq // cp), tp, ep, rate, hw, settings.precision == "fp8",
-            precision_model.RECIPES[settings.states].grads)
+            model, b * (model.seq // cp) // tp * etp, etp, ep, rate, hw,
+            settings.precision == "fp8", precision_model.RECIPES[settings.states].grads)
         compute += routed_s * (slowdown - 1)
     forward = compute / 3
     extra = {"none": 0.0, "full": forward,
@@ -915,16 +986,19 @@ def step_time(model, layout, settings, hw):
 
     seq = model.seq // cp
     node = hw.gpus_per_node
-    # tensor parallelism: the one traffic model (comm_model), the stage with most layers
+    # tensor parallelism: the one traffic model (comm_model), the stage with most layers;
+    # a MoE layer's MLP has none of its own (its dispatcher's collectives are priced with
+    # expert parallelism below), only its attention's half
     tp_s = 0.0
     if tp > 1 and settings.tp_comm_overlap:   # the stage whose exposed traffic is longest
         tp_s = max(tensor_parallel_overlapped_time(
             model, spans, seq, b, tp, pp == 1, m, recompute == "full", hw, rate,
             settings.precision == "fp8") for _, spans in rank_layers(model, cut, v))
     elif tp > 1:   # a stated fraction hidden (--tp-overlap), or none
-        tp_s = tensor_parallel_time(max(split), seq, b, model.hidden, tp, pp == 1, m,
-                                    recompute == "full", hw, settings.precision == "fp8") \
-            * (1 - settings.tp_overlap)
+        tp_s = max(tensor_parallel_time(
+            sum(count for _, count in spans), seq, b, model.hidden, tp, pp == 1, m,
+            recompute == "full", hw, settings.precision == "fp8", moe_count(model, spans))
+            for _, spans in rank_layers(model, cut, v)) * (1 - settings.tp_overlap)
     # pipeline: an activation forward and its gradient back per micro-batch and chunk; each
     # tensor-parallel rank sends its own 1/tp of the tokens (sequence parallelism splits
     # them, as Megatron-LM's scatter/gather does without it) of its s/cp
@@ -932,11 +1006,11 @@ def step_time(model, layout, settings, hw):
     if pp > 1:
         alpha, beta = hw.nvlink if tp * cp * dp * pp <= node else hw.network
         pp_s = m * v * 2 * (alpha + VALUE_BYTES * b * seq * model.hidden / tp / beta)
-    # data parallelism over the dp x cp replicas (experts over dp x cp / ep), hierarchical:
+    # data parallelism over the dp x cp replicas (experts over expert_replicas), hierarchical:
     # the stage whose collectives take longest (the pipeline moves at its slowest stage)
     replicas = dp * cp
     dp_s = slowest_data_parallel_time(model, cut, tp, ep, zero, m, replicas,
-                                      settings.precision, hw, settings.states, v)
+                                      settings.precision, hw, settings.states, v, etp)
     backward = 2 * forward
     window = {"ddp": backward / m, "zero1": backward / m, "zero2": backward,
               "zero3": work}[zero]
@@ -952,30 +1026,14 @@ def step_time(model, layout, settings, hw):
         block_flops = 2 * b * seq * seq * (q + out) / tp * 0.5 * 3
         per_layer = (cp - 1) * max(0.0, 2 * send - block_flops / rate) if cp > 1 else 0.0
         cp_s = per_layer * max(split) * m
-    # expert parallelism: dispatch and combine, forward and backward, exposed
+    # expert parallelism: the dispatcher's dispatch and combine, forward and backward,
+    # exposed, and the forward's again where full recomputation reruns it, as it reruns
+    # the tensor-parallel collectives
     ep_s = 0.0
-    if model.experts and ep > 1:
-        per_node = members_per_node(tp, ep, hw)
-        nodes = max(1, ep // per_node)
-        routed_tokens = b * seq / tp
-        copies = model.top_k * (ep - 1) / ep
-        nv_bytes = VALUE_BYTES * routed_tokens * model.hidden * copies
-        if nodes > 1:
-            # node-limited: one copy per node reached, forwarded inside it; otherwise one
-            # copy per routed expert on another node
-            off_node = float(comm_model.expected_network_copies(
-                model.experts, nodes, model.top_k, model.node_limit or None,
-                once_per_node=bool(model.node_limit)))
-            net_bytes = VALUE_BYTES * routed_tokens * model.hidden * off_node
-            one = max(hw.network[0] + net_bytes / hw.network[1],
-                      hw.nvlink[0] + nv_bytes / hw.nvlink[1])
-        else:
-            one = hw.nvlink[0] + nv_bytes / hw.nvlink[1]
-        moe_here = most_moe_layers(model, cut, v)
-        # dispatch and combine forward and backward, and the forward's again where full
-        # recomputation reruns it, as it reruns the tensor-parallel collectives
+    if model.experts and (ep > 1 or etp > 1):
         passes = 6 if recompute == "full" else 4
-        ep_s = passes * one * moe_here * m
+        ep_s = passes * dispatch_collective_time(model, b * seq / tp, ep, etp, hw) \
+            * most_moe_layers(model, cut, v) * m
     if layout.get("dualpipe"):   # one micro-batch's all-to-alls run beside another's compute
         exposed = max(0.0, ep_s + pp_s - work)   # what outlasts the computation, as ep
         ep_s, pp_s = exposed, 0.0
@@ -1012,8 +1070,16 @@ def why_not(model, layout, settings, hw):
         return f"cp {cp} does not divide the sequence of {model.seq} into 2 cp chunks"
     if ep > 1 and not model.experts:
         return "ep > 1 needs a mixture-of-experts model (--experts)"
-    if model.experts and (model.experts % ep or (dp * cp) % ep):
-        return f"ep {ep} must divide the {model.experts} experts and dp x cp = {dp * cp}"
+    etp = layout.get("etp", tp)
+    if etp != tp and not model.experts:
+        return "etp needs a mixture-of-experts model (--experts); a dense model's is tp"
+    if hw.gpus_per_node % etp:
+        return f"etp {etp} does not divide a node of {hw.gpus_per_node} GPUs"
+    if model.experts and model.expert_hidden % etp:
+        return f"etp {etp} does not divide the experts' width of {model.expert_hidden}"
+    if model.experts and (model.experts % ep or (tp * cp * dp) % (ep * etp)):
+        return (f"ep {ep} must divide the {model.experts} experts, and ep x etp = {ep * etp} "
+                f"the tp x cp x dp = {tp * cp * dp} ranks of a stage")
     if layout.get("dualpipe") and (pp % 2 or v > 1):
         return f"DualPipe needs an even pp and one chunk per stage, got pp {pp}, v {v}"
     if layout.get("dualpipe") and "microbatches" in layout and (
@@ -1069,7 +1135,9 @@ def settings_for(model, degrees, settings):
 
 
 def degree_options(model, hw, cp=None, ep=None):
-    """Every (dp, tp, pp, cp, ep) of the GPUs, before the model's own limits."""
+    """Every (dp, tp, pp, cp, ep, etp) of the GPUs, before the model's own limits: a
+    mixture of experts' matrices split as its attention's (etp = tp, Megatron-Core's
+    default) or whole (etp = 1, as DeepSeek-V3's runs keep them)."""
     for tp in divisors(hw.gpus_per_node):
         if hw.gpus % tp:
             continue
@@ -1079,7 +1147,9 @@ def degree_options(model, hw, cp=None, ep=None):
             for pp in divisors(hw.gpus // (tp * cp_)):
                 dp = hw.gpus // (tp * cp_ * pp)
                 for ep_ in (ep if ep is not None else [1]):
-                    yield {"dp": dp, "tp": tp, "pp": pp, "cp": cp_, "ep": ep_}
+                    for etp in sorted({tp, 1} if model.experts else {tp}, reverse=True):
+                        yield {"dp": dp, "tp": tp, "pp": pp, "cp": cp_, "ep": ep_,
+                               "etp": etp}
 
 
 def configurations(model, settings, hw, cp=None, ep=None):
@@ -1104,8 +1174,8 @@ def cheapest_recompute(found):
     --recompute auto."""
     best = {}
     for c in found:
-        key = tuple(c[k] for k in ("dp", "tp", "pp", "cp", "ep", "chunks", "micro_batch",
-                                   "zero"))
+        key = tuple(c[k] for k in ("dp", "tp", "pp", "cp", "ep", "etp", "chunks",
+                                   "micro_batch", "zero"))
         if key not in best:
             best[key] = c
     return sorted(best.values(), key=lambda c: (c["time_s"]["step"],
@@ -1115,7 +1185,7 @@ def cheapest_recompute(found):
 def rank_layout(model, degrees, settings, hw, found):
     """The best configuration with these degrees (and chunks, if given), where it ranks
     among `found` (1 = the fastest), and the best step time; or why it does not fit."""
-    layout = {"cp": 1, "ep": 1, **degrees}
+    layout = {"cp": 1, "ep": 1, "etp": degrees["tp"], **degrees}
     reason = why_not(model, {"chunks": 1, **layout}, settings, hw)
     best_time = found[0]["time_s"]["step"] if found else None
     if reason:
@@ -1142,22 +1212,22 @@ def rank_layout(model, degrees, settings, hw, found):
 
 
 def parse_layout(text):
-    """'tp=8,pp=16,dp=128[,cp=..,ep=..,v=..,dualpipe=1]' -> {dp, tp, pp, cp, ep[, chunks,
-    dualpipe]}."""
-    names = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "v": "chunks",
-             "dualpipe": "dualpipe"}
+    """'tp=8,pp=16,dp=128[,cp=..,ep=..,etp=..,v=..,dualpipe=1]' -> {dp, tp, pp, cp, ep,
+    etp[, chunks, dualpipe]}; etp is tp where not given (Megatron-Core's default)."""
+    names = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "etp": "etp",
+             "v": "chunks", "dualpipe": "dualpipe"}
     layout = {}
     for part in text.split(","):
         key, _, value = part.partition("=")
         key = key.strip()
         if key not in names or not value.strip().isdigit() or int(value) < 1:
-            raise ValueError(f"not a layout: {text!r} (tp=8,pp=16,dp=128[,cp=2,ep=8,v=2,dualpipe=1], "
+            raise ValueError(f"not a layout: {text!r} (tp=8,pp=16,dp=128[,cp=2,ep=8,etp=1,v=2,dualpipe=1], "
                              f"each a positive whole number)")
         layout[names[key]] = int(value)
     missing = {"dp", "tp", "pp"} - set(layout)
     if missing:
         raise ValueError(f"the layout {text!r} needs {', '.join(sorted(missing))}")
-    return {"cp": 1, "ep": 1, **layout}
+    return {"cp": 1, "ep": 1, "etp": layout["tp"], **layout}
 
 
 def plan(model, settings, hw, cp=None, ep=None):

@@ -107,7 +107,7 @@ def memory_per_gpu(params, gpus, optimizer, precision):
 
 
 def _configuration(c):
-    keys = ("dp", "tp", "pp", "cp", "ep", "chunks", "zero", "micro_batch", "microbatches",
+    keys = ("dp", "tp", "pp", "cp", "ep", "etp", "chunks", "zero", "micro_batch", "microbatches",
             "recompute", "rank", "step_time_s", "best_step_time_s", "reason",
             "tokens_per_s_per_gpu", "mfu", "mfu_with_attention")
     row = {k: c[k] for k in keys if k in c}
