@@ -176,7 +176,7 @@ def test_tensor_parallel_overlap_hides_each_collective_behind_its_own_product():
         10 * time_model.shard_collective_time(2 * b * seq * h, tp, *hw.nvlink)
     exposed = {}
     for fp8 in (False, True):
-        speed = pm.FP8_PEAK_RATIO if fp8 else 1
+        speed = pm.FP8_MATMUL_RATIO if fp8 else 1
         # forward FLOPs of the four linears on one of tp ranks, over the micro-batch's tokens
         qkv, proj, fc1, fc2 = (flops * b * seq / tp / rate / speed for flops in (
             2 * h * (h + 2 * kv), 2 * h * h, 4 * h * f, 2 * f * h))
@@ -265,7 +265,7 @@ def test_recomputation_trades_memory_for_compute():
 
 
 def test_fp8_runs_the_linear_products_faster_gathers_less_and_can_keep_less():
-    """--precision fp8: the layers' linear products at FP8_PEAK_RATIO times the peak, the
+    """--precision fp8: the layers' linear products FP8_MATMUL_RATIO times faster, the
     rest (attention's products, the embedding and head) as before; ZeRO-3's all-gathers
     carry the linear weights in one byte; --fp8-activations keeps the linear layers'
     inputs at half a 16-bit value (a dense Llama layer: QKV and MLP inputs, attention's
@@ -276,11 +276,15 @@ def test_fp8_runs_the_linear_products_faster_gathers_less_and_can_keep_less():
     kept = planner.Settings(global_batch_tokens=2 ** 21, precision="fp8", fp8_activations=True)
     config = layout(dp=16, tp=4, pp=1, zero="zero3", microbatches=4)
     rate = hw.peak_tflops * 1e12 * bf16.mfu
-    saved = 6 * model.active_matrix_params() * (1 - 1 / pm.FP8_PEAK_RATIO) * 2 ** 21 / 64 / rate
+    saved = 6 * model.active_matrix_params() * (1 - 1 / pm.FP8_MATMUL_RATIO) * 2 ** 21 / 64 / rate
     times = {s: planner.step_time(model, config, s, hw) for s in (bf16, fp8)}
     assert times[bf16]["compute"] - times[fp8]["compute"] == pytest.approx(saved)
-    # three quarters of an 8B model's FLOPs at 8K tokens are its layers' linear products
-    assert 0.35 < saved / times[bf16]["compute"] < 0.4
+    # three quarters of an 8B model's FLOPs at 8K tokens are its layers' linear products,
+    # which FP8 runs at the H100's measured FP8 rate over its bf16 one (1,402.6 over 794.5
+    # TFLOP/s), not the datasheet's twice
+    assert pm.FP8_MATMUL_RATIO == pytest.approx(1402.6 / 794.5)
+    assert pm.FP8_MATMUL_RATIO < pm.FP8_PEAK_RATIO
+    assert 0.7 < saved / times[bf16]["compute"] / (1 - 1 / pm.FP8_MATMUL_RATIO) < 0.8
     # a Llama layer's matrices: Q, O (h^2 each), K, V (h x kv each), three of h x f
     h, f, kv = model.hidden, model.ffn, model.kv_dim
     assert model.active_matrix_params() == model.layers * (2 * h * h + 2 * h * kv + 3 * h * f)

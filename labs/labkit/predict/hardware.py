@@ -44,13 +44,17 @@ A100_NVLINK_LINE_RATE = 300e9  # bytes/s per direction per GPU: 600 GB/s both wa
 HDR_NIC_LINE_RATE = 25e9       # bytes/s, 200 Gb/s
 A100_BF16_FLOPS = 312e12       # dense bf16 peak of the A100, FLOP/s (A100 datasheet)
 
-# Maximum achievable matmul FLOPS (MAMF): the fastest bf16 matrix product a search over
-# shapes reached on one GPU (Bekman's ML Engineering book, its first MAMF table, CUDA 12.1;
-# a rough figure that rises with the software):
-# 85.9 % of the A100's peak, 80.1 % of the H100's. The planner's compute efficiency is
-# one fraction of the peak for both; the 5-D chapter tests taking it against these instead
-A100_MAMF_FLOPS = 267.9e12
-H100_MAMF_FLOPS = 792.1e12
+# Maximum achievable matmul FLOPS (MAMF): the fastest matrix product a search over shapes
+# reached on one GPU, the mean of 100 runs of it (Bekman's ML Engineering book, its MAMF
+# tables; torch 2.6.0 and 2.7.0 with CUDA 12.6; rough figures that rise with the software):
+# in bf16, 86.9 % of the A100 SXM's peak and 80.3 % of the H100 SXM's; in FP8 (e4m3),
+# 70.9 % of the H100 SXM's 1,979 TFLOP/s. The planner's compute efficiency is one fraction
+# of the bf16 peak for both GPUs (the 5-D chapter tests taking it against these instead);
+# its FP8 products run at the H100's measured FP8 rate over its bf16 rate
+# (precision_model.FP8_MATMUL_RATIO), not the datasheet's two
+A100_MAMF_FLOPS = 271.2e12
+H100_MAMF_FLOPS = 794.5e12
+H100_FP8_MAMF_FLOPS = 1402.6e12
 
 # Model FLOPs utilization published for H100 training: Llama 3 405B, Table 4 of Dubey et al.
 # (2024): 43 % on 8,192 GPUs, 41 % on 16,384, 38 % on 16,384 with 131,072-token sequences.

@@ -43,8 +43,9 @@ backward as far as they fit; context parallelism's ring, exposed where a block's
 outlasts its compute; expert parallelism's all-to-alls, exposed.
 
 Precision (Settings.precision): bf16, or FP8 for the layers' linear products, which then
-run at precision_model.FP8_PEAK_RATIO times the peak (attention's products, the embedding
-and the head stay bf16) and whose weights the parameter all-gathers carry in one byte;
+run precision_model.FP8_MATMUL_RATIO times faster, the H100's measured FP8 matrix rate over
+its bf16 one (attention's products, the embedding and the head stay bf16), and whose
+weights the parameter all-gathers carry in one byte;
 with fp8_activations the activations are cached for backward as DeepSeek-V3 caches them,
 most in FP8 (Model.layer_activation_values). The MFU reported stays against the bf16 peak.
 """
@@ -347,7 +348,7 @@ class Settings(HashedOnce):
     zero: tuple = ZERO
     recompute: tuple = RECOMPUTE     # or one of them
     # the matrix products in bf16 or FP8 (precision_model.PLANNER_PRECISIONS): FP8 runs the
-    # layers' linear products at precision_model.FP8_PEAK_RATIO times the peak and gathers
+    # layers' linear products precision_model.FP8_MATMUL_RATIO times faster and gathers
     # their weights in FP8; fp8_activations (a run's own choice, as DeepSeek-V3's) also
     # caches the activations for backward as DeepSeek-V3 does, most of them in FP8
     precision: str = "bf16"
@@ -454,7 +455,7 @@ def tensor_parallel_overlapped_time(model, spans, seq, batch, tp, embedding,
     Full recomputation repeats the forward's four. A mixture-of-experts layer's MLP has
     none of these: its dispatcher's collectives (dispatch_collective_time) are priced with
     expert parallelism, exposed. The products run at `rate` FLOP/s, the linear layers'
-    precision_model.FP8_PEAK_RATIO times faster where `fp8`; an FP8 run also moves its
+    precision_model.FP8_MATMUL_RATIO times faster where `fp8`; an FP8 run also moves its
     all-gathers and the pipelined reduce-scatters in one byte a value (Transformer
     Engine's FP8 communication buffers; NeMo's FP8 overlap configuration sets fp8_buf for
     the reduce-scatters), the bulk reduce-scatters in two. Not charged: the SMs the
@@ -462,7 +463,7 @@ def tensor_parallel_overlapped_time(model, spans, seq, batch, tp, embedding,
     last chunk of each pipelined reduce-scatter, which nothing hides, and what cutting a
     product into chunks costs it. The embedding's, the head's and the loss's collectives
     and the replicated gradients' all-reduce stay exposed, at their plain times."""
-    speed = precision_model.FP8_PEAK_RATIO if fp8 else 1.0
+    speed = precision_model.FP8_MATMUL_RATIO if fp8 else 1.0
     values = seq * batch * model.hidden
 
     def transfer(value_bytes):
@@ -666,7 +667,7 @@ def expert_matmul_slowdown(model, tokens, etp, ep, rate, hw, fp8=False,
     width = model.expert_hidden / etp
     first = width * (1 if model.gpt else 2)          # fc1, or SwiGLU's gate and up
     in_bytes = 1 if fp8 else VALUE_BYTES             # FP8 operands, 16-bit results
-    speed = rate * (precision_model.FP8_PEAK_RATIO if fp8 else 1)
+    speed = rate * (precision_model.FP8_MATMUL_RATIO if fp8 else 1)
     bandwidth = hw.memory_tb_s * 1e12
     compute = slow = 0.0
     for k, n in ((model.hidden, first), (width, model.hidden)):
@@ -952,12 +953,13 @@ def step_time(model, layout, settings, hw):
     # Attention's products as executed: a fused kernel skips the blocks a causal mask hides
     attention = model.attention_flops_per_token() * (0.5 if settings.flash_attention else 1)
     dense = 6 * model.active_params()
-    # FP8 runs the layers' linear products at its higher peak, the rest stays bf16
+    # FP8 runs the layers' linear products at its measured higher rate, the rest stays bf16
     fp8 = 6 * model.active_matrix_params() if settings.precision == "fp8" else 0
-    compute = (dense - fp8 + fp8 / precision_model.FP8_PEAK_RATIO + attention) * tokens / n / rate
+    compute = (dense - fp8 + fp8 / precision_model.FP8_MATMUL_RATIO + attention) \
+        * tokens / n / rate
     if model.experts:   # the routed experts' products where their operands' traffic bounds them
         routed = 6 * model.top_k * model.moe_layers * model.mlp(model.expert_hidden)[0]
-        routed_s = routed / (precision_model.FP8_PEAK_RATIO if fp8 else 1) * tokens / n / rate
+        routed_s = routed / (precision_model.FP8_MATMUL_RATIO if fp8 else 1) * tokens / n / rate
         slowdown = expert_matmul_slowdown(
             model, b * (model.seq // cp) // tp * etp, etp, ep, rate, hw,
             settings.precision == "fp8", precision_model.RECIPES[settings.states].grads)
