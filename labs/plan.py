@@ -161,6 +161,11 @@ def parse_args(argv=None):
                         help="each tensor-parallel all-gather and reduce-scatter pipelined "
                              "with its linear layer's product, only what outlasts it exposed "
                              "(Megatron-LM's --tp-comm-overlap)")
+    choose.add_argument("--async-tp", action="store_true",
+                        help="each of torch's eight tensor-parallel collectives a layer fused "
+                             "with its product, only what outlasts it exposed (torch's "
+                             "asynchronous tensor parallelism, torchtitan's "
+                             "enable_async_tensor_parallel)")
     choose.add_argument("--precision", choices=precision_model.PLANNER_PRECISIONS,
                         default="bf16", help="the matrix products in bf16, or in FP8 (the "
                         f"layers' linear products {precision_model.FP8_MATMUL_RATIO:.2f}x "
@@ -188,6 +193,9 @@ def parse_args(argv=None):
         fail("--fp8-activations needs --precision fp8")
     if args.mfu > 1:
         fail(f"--mfu is a fraction of the peak, at most 1, got {args.mfu}")
+    if args.tp_comm_overlap and args.async_tp:
+        fail("--tp-comm-overlap and --async-tp are two ways to overlap the same collectives: "
+             "give one")
     if args.ep is None:
         experts = args.model_shape.experts
         args.ep = [e for e in (2 ** i for i in range(12)) if e <= max(1, experts)]
@@ -225,7 +233,7 @@ def model_from_args(args):
 def settings_from_args(args):
     return planner.Settings(
         global_batch_tokens=args.global_batch_tokens, mfu=args.mfu, tp_overlap=args.tp_overlap,
-        tp_comm_overlap=args.tp_comm_overlap,
+        tp_comm_overlap=args.tp_comm_overlap, async_tp=args.async_tp,
         flash_attention=args.flash_attention, zero=tuple(args.zero),
         precision=args.precision, fp8_activations=args.fp8_activations,
         states="fp32_grads" if args.fp32_grads else "mixed",

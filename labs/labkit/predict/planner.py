@@ -35,7 +35,8 @@ Time, per step: compute at a stated fraction of the peak, the routed experts' pr
 at the slower of that and their HBM traffic (expert_matmul_slowdown); the pipeline's idle time
 (time_model.pipeline_bubble_fraction, m < p included); tensor-parallel collectives
 (comm_model.tensor_parallel_collectives) on NVLink, a stated fraction overlapped, or
-with tp_comm_overlap each beside a linear layer's product, as Transformer Engine runs them
+with tp_comm_overlap each beside a linear layer's product, as Transformer Engine runs them,
+or with async_tp as torch's asynchronous tensor parallelism does
 (tensor_parallel_overlapped_time); the
 pipeline's sends; the data-parallel collectives (comm_model.data_parallel_step_collectives)
 over the hierarchical links (time_model.hierarchical_allreduce_time), hidden behind
@@ -344,6 +345,11 @@ class Settings(HashedOnce):
     # (Transformer Engine's comm-GEMM overlap; tensor_parallel_overlapped_time): a run's
     # own setting, where it says so; it replaces tp_overlap's fraction
     tp_comm_overlap: bool = False
+    # each of torch's eight sequence-parallel collectives a layer fused with its product,
+    # as torch's asynchronous tensor parallelism runs them (torchtitan's
+    # enable_async_tensor_parallel; tensor_parallel_overlapped_time's "torch" style): a
+    # run's own setting, where it says so; it replaces tp_overlap's fraction
+    async_tp: bool = False
     flash_attention: bool = True
     zero: tuple = ZERO
     recompute: tuple = RECOMPUTE     # or one of them
@@ -435,12 +441,14 @@ def tensor_parallel_plan(layers, seq, batch, hidden, tp, embedding, recompute):
 
 @functools.lru_cache(maxsize=65536)
 def tensor_parallel_overlapped_time(model, spans, seq, batch, tp, embedding,
-                                    microbatches, recompute, hw, rate, fp8):
+                                    microbatches, recompute, hw, rate, fp8, style="te"):
     """Seconds of one rank's tensor-parallel collectives in a step when each of a layer's
     sequence-parallel all-gathers and reduce-scatters runs beside a linear layer's product,
-    as Transformer Engine's comm-GEMM overlap runs them (Megatron-LM's --tp-comm-overlap,
-    NeMo's ub_tp_comm_overlap), approximated as: only what outlasts that product is
-    exposed. Its three methods, per layer and micro-batch:
+    approximated as: only what outlasts that product is exposed.
+
+    style "te": as Transformer Engine's comm-GEMM overlap runs them (Megatron-LM's
+    --tp-comm-overlap, NeMo's ub_tp_comm_overlap), ten a layer. Its three methods, per
+    layer and micro-batch:
       ring_exchange  the all-gathers before QKV and the MLP's first matrix, and of the
                      gradient before the output projection's and the second matrix's
                      input-gradient products (dgrad): chunks passed between peers while
@@ -461,8 +469,26 @@ def tensor_parallel_overlapped_time(model, spans, seq, batch, tp, embedding,
     the reduce-scatters), the bulk reduce-scatters in two. Not charged: the SMs the
     transfers take from the products (the pipelined and bulk methods run on some), the
     last chunk of each pipelined reduce-scatter, which nothing hides, and what cutting a
-    product into chunks costs it. The embedding's, the head's and the loss's collectives
-    and the replicated gradients' all-reduce stay exposed, at their plain times."""
+    product into chunks costs it.
+
+    style "torch": as torch's asynchronous tensor parallelism runs them (torchtitan's
+    enable_async_tensor_parallel: torch.compile's micro-pipeline pass fuses each
+    all-gather with the product that consumes it and each product with the
+    reduce-scatter that follows, in forward and in backward, the fused kernels moving the
+    shards by copy engine while the product works on those already there). torch's
+    sequence parallelism keeps the gathered inputs for the weights' gradients, so a layer
+    issues eight: forward, the all-gathers before QKV and the MLP's first matrix and the
+    reduce-scatters after the output projection and the second matrix; backward, the
+    gradient's all-gathers before the output projection's and the second matrix's dgrad
+    and the reduce-scatters after QKV's and the first matrix's dgrad. Under FP8 (torchao's
+    float8 with its tensor-parallel styles) the forward all-gathers carry the inputs in
+    FP8; the rest stay bf16. Not charged: what cutting a product into tp pieces costs it.
+
+    Full recomputation repeats the forward's four in either style. A mixture-of-experts
+    layer's MLP issues none of these: its dispatcher's collectives
+    (dispatch_collective_time) are priced with expert parallelism, exposed. The
+    embedding's, the head's and the loss's collectives and the replicated gradients'
+    all-reduce stay exposed, at their plain times."""
     speed = precision_model.FP8_MATMUL_RATIO if fp8 else 1.0
     values = seq * batch * model.hidden
 
@@ -475,12 +501,17 @@ def tensor_parallel_overlapped_time(model, spans, seq, batch, tp, embedding,
     for layer in (i for start, count in spans for i in range(start, start + count)):
         qkv, proj, fc1, fc2 = (flops * batch * seq / tp / rate / speed
                                for flops in model.linear_flops_per_token(layer))
-        attention = [(narrow, qkv), (narrow, proj)]
-        mlp = [(narrow, fc1), (narrow, fc2)]
-        pairs = [(narrow, proj), (narrow, qkv), (wide, qkv)]    # ring_exchange dgrad, bulk
-        pairs += [(narrow, fc2), (narrow, fc1), (wide, fc1)]    # the same of the MLP
+        if style == "te":
+            attention = [(narrow, qkv), (narrow, proj)]
+            mlp = [(narrow, fc1), (narrow, fc2)]
+            pairs = [(narrow, proj), (narrow, qkv), (wide, qkv)]    # ring_exchange dgrad, bulk
+            pairs += [(narrow, fc2), (narrow, fc1), (wide, fc1)]    # the same of the MLP
+        else:   # torch: the inputs gathered in FP8, the reduce-scatters and backward bf16
+            attention = [(narrow, qkv), (wide, proj)]
+            mlp = [(narrow, fc1), (wide, fc2)]
+            pairs = [(wide, proj), (wide, qkv), (wide, fc2), (wide, fc1)]   # dgrad
         if model.experts and layer >= model.dense_layers:   # the dispatcher's instead
-            mlp, pairs = [], pairs[:3]
+            mlp, pairs = [], pairs[:len(pairs) // 2]
         forward = attention + mlp
         pairs += forward * (2 if recompute else 1)
         exposed += sum(max(0.0, comm - product) for comm, product in pairs)
@@ -992,10 +1023,12 @@ def step_time(model, layout, settings, hw):
     # a MoE layer's MLP has none of its own (its dispatcher's collectives are priced with
     # expert parallelism below), only its attention's half
     tp_s = 0.0
-    if tp > 1 and settings.tp_comm_overlap:   # the stage whose exposed traffic is longest
+    if tp > 1 and (settings.tp_comm_overlap or settings.async_tp):
+        # the stage whose exposed traffic is longest
+        style = "torch" if settings.async_tp else "te"
         tp_s = max(tensor_parallel_overlapped_time(
             model, spans, seq, b, tp, pp == 1, m, recompute == "full", hw, rate,
-            settings.precision == "fp8") for _, spans in rank_layers(model, cut, v))
+            settings.precision == "fp8", style) for _, spans in rank_layers(model, cut, v))
     elif tp > 1:   # a stated fraction hidden (--tp-overlap), or none
         tp_s = max(tensor_parallel_time(
             sum(count for _, count in spans), seq, b, model.hidden, tp, pp == 1, m,

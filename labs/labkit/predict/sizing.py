@@ -15,8 +15,10 @@ ZERO_STAGES = memory_model.STRATEGIES
 TOP = 5
 # the form's "matrix products" choice: (plan.py's --precision, --fp8-activations)
 MATMULS = {"bf16": ("bf16", False), "fp8": ("fp8", False), "fp8_activations": ("fp8", True)}
-# the form's "tensor-parallel overlap" choice: plan.py's --tp-comm-overlap, or none
-TP_OVERLAP = {"none": False, "gemm": True}
+# the form's "tensor-parallel overlap" choice: none, plan.py's --tp-comm-overlap
+# (Transformer Engine's), or its --async-tp (torch's): the Settings each sets, its flag
+TP_OVERLAP = {"none": ({}, None), "gemm": ({"tp_comm_overlap": True}, "--tp-comm-overlap"),
+              "async": ({"async_tp": True}, "--async-tp")}
 
 
 class SizingError(ValueError):
@@ -159,7 +161,7 @@ def run(fields):
     compute_precision, fp8_activations = MATMULS[matmuls]
     settings = planner.Settings(global_batch_tokens=tokens, precision=compute_precision,
                                 fp8_activations=fp8_activations,
-                                tp_comm_overlap=TP_OVERLAP[tp_overlap])
+                                **TP_OVERLAP[tp_overlap][0])
     cp = sorted({1, layout["cp"]}) if layout else [1]
     ep = ([e for e in (1, 2, 4, 8, 16, 32, 64) if model.experts % e == 0]
           if model.experts else None)
@@ -202,6 +204,7 @@ def command_line(fields):
         parts += ["--precision", compute_precision]
     if fp8_activations:
         parts.append("--fp8-activations")
-    if TP_OVERLAP.get(str(fields.get("tp_overlap", "none"))):
-        parts.append("--tp-comm-overlap")
+    flag = TP_OVERLAP.get(str(fields.get("tp_overlap", "none")), ({}, None))[1]
+    if flag:
+        parts.append(flag)
     return " ".join(parts)
