@@ -193,22 +193,26 @@ def test_tensor_parallel_overlap_hides_each_collective_behind_its_own_product():
     # the MLP's products hide their collectives; the attention's (h x h and QKV) do not
     assert 0 < exposed[False] and 0 < exposed[True]
 
-    # a mixture-of-experts layer: its attention's five hide behind their products, its MLP
-    # issues none (the dispatcher's collectives are expert parallelism's)
-    moe = planner.PRESETS["deepseek-v3"]
-    layer = moe.dense_layers
-    qkv, proj, _, _ = (flops * b * moe.seq / tp / rate
-                       for flops in moe.linear_flops_per_token(layer))
-    one = time_model.shard_collective_time(2 * b * moe.seq * moe.hidden, tp, *hw.nvlink)
-    moe_pairs = [qkv, proj, proj, qkv, qkv]
-    moe_outside = planner.tensor_parallel_time(1, moe.seq, b, moe.hidden, tp, False, 1, False,
-                                               hw) - 10 * one
-    # without the overlap, the MoE layer's in-layer collectives are its attention's half
+    # a mixture-of-experts layer: its attention's five hide behind their products; its
+    # shared expert, a tensor-parallel MLP, hides its five behind its own products; the
+    # routed experts' tokens move by the dispatcher's collectives (expert parallelism's)
+    deepseek = planner.PRESETS["deepseek-v3"]
+    for moe in (deepseek, dataclasses.replace(deepseek, shared_experts=0)):
+        layer = moe.dense_layers
+        qkv, proj, fc1, fc2 = (flops * b * moe.seq / tp / rate
+                               for flops in moe.linear_flops_per_token(layer))
+        share = moe.shared_experts / (moe.top_k + moe.shared_experts)
+        fc1, fc2 = fc1 * share, fc2 * share       # the shared expert's products alone
+        one = time_model.shard_collective_time(2 * b * moe.seq * moe.hidden, tp, *hw.nvlink)
+        moe_pairs = [qkv, proj, proj, qkv, qkv] + [fc1, fc2, fc2, fc1, fc1] * (share > 0)
+        moe_outside = planner.tensor_parallel_time(1, moe.seq, b, moe.hidden, tp, False, 1,
+                                                   False, hw) - 10 * one
+        assert planner.tensor_parallel_overlapped_time(
+            moe, ((layer, 1),), moe.seq, b, tp, False, 1, False, hw, rate,
+            False) == pytest.approx(sum(max(0.0, one - p) for p in moe_pairs) + moe_outside)
+    # without the overlap, a MoE layer without a shared expert issues its attention's half
     assert planner.tensor_parallel_time(1, moe.seq, b, moe.hidden, tp, False, 1, False, hw,
                                         moe_layers=1) == pytest.approx(moe_outside + 5 * one)
-    assert planner.tensor_parallel_overlapped_time(
-        moe, ((layer, 1),), moe.seq, b, tp, False, 1, False, hw, rate, False) == pytest.approx(
-        sum(max(0.0, one - p) for p in moe_pairs) + moe_outside)
 
     slow = planner.Hardware(64, nvlink_gb_s=1)   # a link no product can hide
     for hw_ in (hw, slow):
@@ -640,9 +644,9 @@ def test_expert_tensor_parallelism_splits_the_experts_or_keeps_them_whole():
     # their data parallelism: tp x cp x dp / (ep x etp) ranks hold the same expert
     assert planner.expert_replicas(32, 2, 8, 1) == 8 and planner.expert_replicas(32, 2, 8) == 4
     # memory: whole experts hold twice the weights over twice the replicas; the dispatcher
-    # gathers the routed copies' inputs and outputs (2h each) of the etp ranks
+    # gathers the routed copies' inputs (h each) of the etp ranks
     assert model.layer_activation_values(1, 2, etp=2) - model.layer_activation_values(
-        1, 2, etp=1) == k * 2 * h * (2 - 1) / 2
+        1, 2, etp=1) == k * h * (2 - 1) / 2
     # the dispatcher's passes: the all-to-all over ep ranks etp apart (ep 8 inside one node
     # when etp is 1, over two nodes at etp 2), and at etp 2 the copies' all-gather
     tokens = 2048 / 2
@@ -651,7 +655,11 @@ def test_expert_tensor_parallelism_splits_the_experts_or_keeps_them_whole():
     gather = time_model.shard_collective_time(2 * 2 * tokens * k * h, 2, *hw.nvlink)
     two_nodes = planner.dispatch_collective_time(model, tokens, 8, 2, hw) - gather
     assert two_nodes > a2a_inside                                  # over the network
-    assert planner.dispatch_collective_time(model, tokens, 1, 2, hw) == pytest.approx(gather)
+    # without expert parallelism, Megatron-Core's all-gather dispatcher gathers each token
+    # once, not its top_k copies: the cheaper, and priced
+    all_gather = time_model.shard_collective_time(2 * 2 * tokens * h, 2, *hw.nvlink)
+    assert all_gather < gather
+    assert planner.dispatch_collective_time(model, tokens, 1, 2, hw) == pytest.approx(all_gather)
     # a step: 4 passes a MoE layer and micro-batch; with tp 2 the MoE layers' MLPs issue no
     # tensor-parallel collectives of their own
     base = layout(dp=32, tp=2, pp=1, ep=8, micro_batch=1, microbatches=16)

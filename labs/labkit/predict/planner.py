@@ -18,10 +18,11 @@ meshes, tp innermost, pp outermost: [pp, dp, cp, tp]):
       ranks, their matrices split etp ways (expert tensor parallelism: tp, Megatron-Core's
       default, or 1, the experts whole, as DeepSeek-V3's runs keep them). Megatron-Core
       lays etp x ep x edp over a stage's tp x cp x dp ranks, etp innermost (torchtitan
-      carves ep out of dp_shard x cp x tp): ep x etp divides tp x cp x dp and does not
+      carves ep out of dp_shard x cp, and out of tp too when etp is 1): ep x etp divides
+      tp x cp x dp and does not
       multiply N; the experts' own data parallelism is edp = tp x cp x dp / (ep x etp).
-      Tokens reach their experts through Megatron-Core's all-to-all dispatcher
-      (dispatch_collective_time)
+      Tokens reach their experts through the cheaper of Megatron-Core's all-to-all and
+      all-gather dispatchers (dispatch_collective_time)
 N = dp x cp x pp x tp.
 
 Memory (the fullest pipeline stage, memory_model's accounting): mixed-precision Adam
@@ -278,8 +279,11 @@ class Model(HashedOnce):
         inner values and output, and the shared experts'). The norms' and matmul inputs
         (4h) are replicated over tp unless sequence parallelism splits the tokens. A rank
         of a MoE layer's experts holds the routed copies of etp ranks' tokens (None: tp),
-        gathered by Megatron-Core's dispatcher, their inputs and outputs whole and their
-        inner values split etp ways: k (2h etp + inner f) / tp per token of the tp group.
+        gathered by Megatron-Core's dispatcher, their inputs whole and their inner values
+        split etp ways: k (h etp + h + inner f) / tp per token of the tp group. The output
+        h of each copy is the course's lab's (memory_model.moe_layer_activation_values: a
+        gate applied to the expert's output); Megatron-Core applies the probabilities
+        inside the experts' activation and keeps no output, k h / tp values fewer.
         Without a fused attention, the softmax's output: heads x s more per token.
         fp8_activations: cached as DeepSeek-V3 caches them (§3.3.3): the QKV and MLP
         inputs (and each routed slot's input) in FP8, half a 16-bit value; attention's
@@ -298,8 +302,8 @@ class Model(HashedOnce):
         q, k, v, out = self.attention_widths()
         split = q + k + v + out + mlp
         values = 4 * h / split_inputs + split / tp
-        if moe:   # the routed copies' inputs and outputs of the other etp - 1 ranks
-            values += self.top_k * 2 * h * (gathered - 1) / tp
+        if moe:   # the routed copies' inputs of the other etp - 1 ranks
+            values += self.top_k * h * (gathered - 1) / tp
         if fp8_activations:
             # of an MLP's inner values: the gate and up halved, the product not kept (2f of
             # SwiGLU's 3f); GELU's input halved, its output not kept (1.5f of 2f)
@@ -409,10 +413,10 @@ def tensor_parallel_time(layers, seq, batch, hidden, tp, embedding, microbatches
     on (comm_model.tensor_parallel_collectives: the head's on the stage, the embedding's
     too when it is the only stage), each at its ring time on NVLink. With `fp8` the layers'
     all-gathers carry one byte a value: Transformer Engine casts a linear layer's input,
-    and its output's gradient, to FP8 before gathering them. Of `layers`, `moe_layers` are
-    mixture-of-experts layers, which issue only their attention's half (the MLP's half
-    has the same sizes): their MLP's collectives are the dispatcher's
-    (dispatch_collective_time)."""
+    and its output's gradient, to FP8 before gathering them. Of `layers`, `moe_layers`
+    issue only their attention's half (the MLP's half has the same sizes): mixture-of-
+    experts layers without a shared expert, whose routed experts' tokens move by the
+    dispatcher's collectives instead (dispatch_collective_time)."""
     layer_part, outside, once = tensor_parallel_plan(layers, seq, batch, hidden, tp,
                                                      embedding, recompute)
     gather = 1 if fp8 else VALUE_BYTES
@@ -484,9 +488,11 @@ def tensor_parallel_overlapped_time(model, spans, seq, batch, tp, embedding,
     float8 with its tensor-parallel styles) the forward all-gathers carry the inputs in
     FP8; the rest stay bf16. Not charged: what cutting a product into tp pieces costs it.
 
-    Full recomputation repeats the forward's four in either style. A mixture-of-experts
-    layer's MLP issues none of these: its dispatcher's collectives
-    (dispatch_collective_time) are priced with expert parallelism, exposed. The
+    Full recomputation repeats the forward's four in either style. In a mixture-of-experts
+    layer the MLP's collectives are its shared experts' (a tensor-parallel MLP, as in
+    Megatron-Core), beside their products; with no shared expert it issues none. The
+    routed experts' tokens move by the dispatcher's collectives (dispatch_collective_time),
+    priced with expert parallelism, exposed. The
     embedding's, the head's and the loss's collectives and the replicated gradients'
     all-reduce stay exposed, at their plain times."""
     speed = precision_model.FP8_MATMUL_RATIO if fp8 else 1.0
@@ -501,6 +507,11 @@ def tensor_parallel_overlapped_time(model, spans, seq, batch, tp, embedding,
     for layer in (i for start, count in spans for i in range(start, start + count)):
         qkv, proj, fc1, fc2 = (flops * batch * seq / tp / rate / speed
                                for flops in model.linear_flops_per_token(layer))
+        moe = model.experts and layer >= model.dense_layers
+        if moe:   # the shared experts' products hide their collectives; the routed
+            # experts' collectives are the dispatcher's
+            share = model.shared_experts / (model.top_k + model.shared_experts)
+            fc1, fc2 = fc1 * share, fc2 * share
         if style == "te":
             attention = [(narrow, qkv), (narrow, proj)]
             mlp = [(narrow, fc1), (narrow, fc2)]
@@ -510,7 +521,7 @@ def tensor_parallel_overlapped_time(model, spans, seq, batch, tp, embedding,
             attention = [(narrow, qkv), (wide, proj)]
             mlp = [(narrow, fc1), (wide, fc2)]
             pairs = [(wide, proj), (wide, qkv), (wide, fc2), (wide, fc1)]   # dgrad
-        if model.experts and layer >= model.dense_layers:   # the dispatcher's instead
+        if moe and not model.shared_experts:   # no MLP collectives of its own
             mlp, pairs = [], pairs[:len(pairs) // 2]
         forward = attention + mlp
         pairs += forward * (2 if recompute else 1)
@@ -868,12 +879,22 @@ def stage_data_parallel_time(model, spans, first, last, tp, ep, zero, microbatch
 @functools.lru_cache(maxsize=4096)
 def dispatch_collective_time(model, tokens, ep, etp, hw):
     """Seconds of one of a MoE layer's four dispatcher passes for one micro-batch (the
-    dispatch and the combine forward, and their gradients backward), as Megatron-Core's
-    all-to-all dispatcher runs them: a rank's `tokens` (its sequence-parallel share of a
-    micro-batch) go to their top_k experts over the ep ranks, an all-to-all whose ranks sit
-    etp apart; each copy a rank receives is then gathered over the etp ranks that split its
-    expert's matrices (an all-gather on NVLink; the combine reduce-scatters it back)."""
-    total = 0.0
+    dispatch and the combine forward, and their gradients backward), a rank's `tokens`
+    (its sequence-parallel share of a micro-batch) reaching the experts of its etp x ep
+    ranks (etp innermost). The cheaper of two of Megatron-Core's dispatchers, as a run
+    would choose:
+      all-to-all  each token to its top_k experts over the ep ranks, which sit etp apart,
+                  then each copy a rank receives gathered over the etp ranks that split its
+                  expert's matrices (an all-gather on NVLink; the combine reduce-scatters
+                  it back). Across nodes, where routing is node-limited (node_limit), one
+                  copy per node reached and forwarded inside it, as DeepEP and HybridEP
+                  (Megatron-Core's flex dispatcher) send them, not one per expert as
+                  NCCL's all-to-all would;
+      all-gather  every token gathered over the etp x ep ranks, each rank keeping those
+                  routed to its experts (the combine reduce-scatters): Megatron-Core's
+                  default, cheaper with few ranks and a large top_k.
+    The routing map and probabilities that travel with the tokens are left out."""
+    all_to_all = 0.0
     if ep > 1:
         per_node = members_per_node(etp, ep, hw)
         nodes = max(1, ep // per_node)
@@ -886,14 +907,17 @@ def dispatch_collective_time(model, tokens, ep, etp, hw):
                 model.experts, nodes, model.top_k, model.node_limit or None,
                 once_per_node=bool(model.node_limit)))
             net_bytes = VALUE_BYTES * tokens * model.hidden * off_node
-            total += max(hw.network[0] + net_bytes / hw.network[1],
-                         hw.nvlink[0] + nv_bytes / hw.nvlink[1])
+            all_to_all += max(hw.network[0] + net_bytes / hw.network[1],
+                              hw.nvlink[0] + nv_bytes / hw.nvlink[1])
         else:
-            total += hw.nvlink[0] + nv_bytes / hw.nvlink[1]
+            all_to_all += hw.nvlink[0] + nv_bytes / hw.nvlink[1]
     if etp > 1:   # the gathered copies of the etp ranks' tokens, top_k of each
         gathered = VALUE_BYTES * etp * tokens * model.top_k * model.hidden
-        total += time_model.shard_collective_time(gathered, etp, *hw.nvlink)
-    return total
+        all_to_all += time_model.shard_collective_time(gathered, etp, *hw.nvlink)
+    group = etp * ep
+    all_gather = group_time("all_gather", VALUE_BYTES * tokens * group * model.hidden, group,
+                            members_per_node(1, group, hw), hw)
+    return min(all_to_all, all_gather)
 
 
 def members_per_node(inner, size, hw):
@@ -1020,8 +1044,9 @@ def step_time(model, layout, settings, hw):
     seq = model.seq // cp
     node = hw.gpus_per_node
     # tensor parallelism: the one traffic model (comm_model), the stage with most layers;
-    # a MoE layer's MLP has none of its own (its dispatcher's collectives are priced with
-    # expert parallelism below), only its attention's half
+    # a MoE layer's MLP collectives are its shared experts' (its routed experts' tokens
+    # move by the dispatcher's collectives, priced with expert parallelism below): without
+    # a shared expert it issues only its attention's half
     tp_s = 0.0
     if tp > 1 and (settings.tp_comm_overlap or settings.async_tp):
         # the stage whose exposed traffic is longest
@@ -1032,7 +1057,8 @@ def step_time(model, layout, settings, hw):
     elif tp > 1:   # a stated fraction hidden (--tp-overlap), or none
         tp_s = max(tensor_parallel_time(
             sum(count for _, count in spans), seq, b, model.hidden, tp, pp == 1, m,
-            recompute == "full", hw, settings.precision == "fp8", moe_count(model, spans))
+            recompute == "full", hw, settings.precision == "fp8",
+            0 if model.shared_experts else moe_count(model, spans))
             for _, spans in rank_layers(model, cut, v)) * (1 - settings.tp_overlap)
     # pipeline: an activation forward and its gradient back per micro-batch and chunk; each
     # tensor-parallel rank sends its own 1/tp of the tokens (sequence parallelism splits
@@ -1042,10 +1068,19 @@ def step_time(model, layout, settings, hw):
         alpha, beta = hw.nvlink if tp * cp * dp * pp <= node else hw.network
         pp_s = m * v * 2 * (alpha + VALUE_BYTES * b * seq * model.hidden / tp / beta)
     # data parallelism over the dp x cp replicas (experts over expert_replicas), hierarchical:
-    # the stage whose collectives take longest (the pipeline moves at its slowest stage)
+    # the stage whose collectives take longest (the pipeline moves at its slowest stage).
+    # Under DualPipe a rank holds stages r and pp - 1 - r, each over twice the replicas (as
+    # memory() counts them), and reduces both
     replicas = dp * cp
-    dp_s = slowest_data_parallel_time(model, cut, tp, ep, zero, m, replicas,
-                                      settings.precision, hw, settings.states, v, etp)
+    if layout.get("dualpipe"):
+        per_stage = [stage_data_parallel_time(
+            model, spans, stage == 0, stage == pp - 1, tp, ep, zero, m, 2 * replicas,
+            settings.precision, hw, settings.states, etp)
+            for stage, spans in rank_layers(model, cut, v)]
+        dp_s = max(per_stage[r] + per_stage[pp - 1 - r] for r in range(pp))
+    else:
+        dp_s = slowest_data_parallel_time(model, cut, tp, ep, zero, m, replicas,
+                                          settings.precision, hw, settings.states, v, etp)
     backward = 2 * forward
     window = {"ddp": backward / m, "zero1": backward / m, "zero2": backward,
               "zero3": work}[zero]
