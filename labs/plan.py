@@ -264,9 +264,11 @@ def run(args):
     return result
 
 
-def describe(c):
+def describe(c, experts):
+    """One configuration's line of the table; etp only for a mixture of experts."""
     t = c["time_s"]
-    return (f"{c['dp']:>5} {c['tp']:>3} {c['pp']:>3} {c['cp']:>3} {c['ep']:>3} {c['etp']:>3} "
+    etp = c["etp"] if experts else "-"
+    return (f"{c['dp']:>5} {c['tp']:>3} {c['pp']:>3} {c['cp']:>3} {c['ep']:>3} {etp:>3} "
             f"{c['chunks']:>2} {c['zero']:>5} {c['micro_batch']:>2} {c['microbatches']:>4} "
             f"{c['recompute']:>9} {c['memory_bytes']['total'] / 1e9:>6.1f} "
             f"{t['step']:>7.2f} {t['compute'] + t['recompute']:>7.2f} {t['bubble']:>6.2f} "
@@ -292,7 +294,7 @@ def main(argv=None):
         print(f"{len(found)} configurations fit; the fastest {min(args.top, len(found))}:")
         print(header)
         for c in found[:args.top]:
-            print(describe(c))
+            print(describe(c, model.experts))
     else:
         print("no configuration fits: more GPUs, more memory per GPU, or a smaller batch")
     if args.layout:
@@ -303,7 +305,7 @@ def main(argv=None):
             print(f"layout: rank {mine['rank']} of {len(found)}, "
                   f"{mine['step_time_s'] / mine['best_step_time_s'] - 1:+.1%} against the best")
             print(header)
-            print(describe(mine))
+            print(describe(mine, model.experts))
             print(f"its stages hold {', '.join(map(str, mine['stage_layers']))} layers")
             if "chunk_layers" in mine:
                 print(f"in {mine['chunks']} chunks each, the virtual stages in order hold "
