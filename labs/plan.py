@@ -161,11 +161,18 @@ def parse_args(argv=None):
                         help="each tensor-parallel all-gather and reduce-scatter pipelined "
                              "with its linear layer's product, only what outlasts it exposed "
                              "(Megatron-LM's --tp-comm-overlap)")
+    choose.add_argument("--torch-tp", action="store_true",
+                        help="torch's tensor parallelism (DTensor's, as torchtitan applies "
+                             "it): eight collectives a layer, the gathered inputs kept")
     choose.add_argument("--async-tp", action="store_true",
-                        help="each of torch's eight tensor-parallel collectives a layer fused "
-                             "with its product, only what outlasts it exposed (torch's "
-                             "asynchronous tensor parallelism, torchtitan's "
-                             "enable_async_tensor_parallel)")
+                        help="torch's asynchronous tensor parallelism (torchtitan's "
+                             "enable_async_tensor_parallel): six of its eight collectives a "
+                             "layer fused with their products, only what outlasts them exposed; "
+                             "the two backward reduce-scatters whole")
+    choose.add_argument("--ep-overlap", action="store_true",
+                        help="the expert all-to-alls beside another micro-batch's computation, "
+                             "hidden as far as it lasts (Megatron-Core's "
+                             "--overlap-moe-expert-parallel-comm)")
     choose.add_argument("--precision", choices=precision_model.PLANNER_PRECISIONS,
                         default="bf16", help="the matrix products in bf16, or in FP8 (the "
                         f"layers' linear products {precision_model.FP8_MATMUL_RATIO:.2f}x "
@@ -193,9 +200,9 @@ def parse_args(argv=None):
         fail("--fp8-activations needs --precision fp8")
     if args.mfu > 1:
         fail(f"--mfu is a fraction of the peak, at most 1, got {args.mfu}")
-    if args.tp_comm_overlap and args.async_tp:
-        fail("--tp-comm-overlap and --async-tp are two ways to overlap the same collectives: "
-             "give one")
+    if args.tp_comm_overlap and (args.async_tp or args.torch_tp):
+        fail("--tp-comm-overlap is Transformer Engine's tensor parallelism, --torch-tp and "
+             "--async-tp torch's: give one")
     if args.ep is None:
         experts = args.model_shape.experts
         args.ep = [e for e in (2 ** i for i in range(12)) if e <= max(1, experts)]
@@ -234,6 +241,7 @@ def settings_from_args(args):
     return planner.Settings(
         global_batch_tokens=args.global_batch_tokens, mfu=args.mfu, tp_overlap=args.tp_overlap,
         tp_comm_overlap=args.tp_comm_overlap, async_tp=args.async_tp,
+        torch_tp=args.torch_tp, ep_overlap=args.ep_overlap,
         flash_attention=args.flash_attention, zero=tuple(args.zero),
         precision=args.precision, fp8_activations=args.fp8_activations,
         states="fp32_grads" if args.fp32_grads else "mixed",

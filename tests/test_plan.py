@@ -240,14 +240,15 @@ def test_tensor_parallel_overlap_hides_each_collective_behind_its_own_product():
     assert not plan.settings_from_args(plan.parse_args(argv)).tp_comm_overlap
 
 
-def test_async_tensor_parallelism_fuses_torchs_eight_collectives_with_their_products():
-    """--async-tp: torch's sequence parallelism keeps the gathered inputs, so a layer
-    issues eight collectives, each fused with the product it feeds or follows (forward:
-    all-gathers before QKV and the MLP's first matrix, reduce-scatters after the output
-    projection and the second matrix; backward: the gradient's all-gathers before the
-    output projection's and the second matrix's dgrad, reduce-scatters after QKV's and the
-    first matrix's dgrad); under FP8 only the forward all-gathers carry one byte. By hand
-    for one layer of Llama 3 70B on a slow link."""
+def test_torch_tensor_parallelism_issues_eight_collectives_and_async_tp_fuses_six():
+    """--torch-tp: torch's sequence parallelism keeps the gathered inputs, so a layer
+    issues eight collectives (forward: all-gathers before QKV and the MLP's first matrix,
+    reduce-scatters after the output projection and the second matrix; backward: the
+    gradient's all-gathers before the output projection's and the second matrix's dgrad,
+    reduce-scatters after QKV's and the first matrix's dgrad); under FP8 (torchao) the
+    all-gathers carry one byte. --async-tp fuses six with their products: not the two
+    backward reduce-scatters, whose input sums several products. By hand for one layer
+    of Llama 3 70B on a slow link."""
     model = planner.PRESETS["llama3-70b"]
     hw = planner.Hardware(64, nvlink_gb_s=100)
     rate = hw.peak_tflops * 1e12 * planner.COMPUTE_EFFICIENCY
@@ -261,29 +262,50 @@ def test_async_tensor_parallelism_fuses_torchs_eight_collectives_with_their_prod
         narrow, wide = (time_model.shard_collective_time(value_bytes * b * seq * model.hidden,
                                                          tp, *hw.nvlink)
                         for value_bytes in ((1 if fp8 else 2), 2))
-        pairs = [(narrow, qkv), (wide, proj), (narrow, fc1), (wide, fc2),   # forward
-                 (wide, proj), (wide, qkv), (wide, fc2), (wide, fc1)]       # dgrad
+        forward = [(narrow, qkv), (wide, proj), (narrow, fc1), (wide, fc2)]
+        backward = [(narrow, proj), (wide, 0.0), (narrow, fc2), (wide, 0.0)]
         for recompute in (False, True):
-            again = [(narrow, qkv), (wide, proj), (narrow, fc1), (wide, fc2)] * recompute
-            by_hand = sum(max(0.0, comm - product) for comm, product in pairs + again)
-            assert planner.tensor_parallel_overlapped_time(
-                model, ((0, 1),), seq, b, tp, False, 1, recompute, hw, rate, fp8,
-                "torch") == pytest.approx(by_hand + outside)
-    # fewer collectives than Transformer Engine's ten: never more exposed on the same link
-    te, torch_ = (planner.tensor_parallel_overlapped_time(
-        model, ((0, 8),), seq, b, tp, False, 4, False, hw, rate, False, style)
-        for style in ("te", "torch"))
-    assert torch_ <= te
-    # a setting of the run, from the command line; one way of overlapping at a time
+            pairs = forward * (1 + recompute) + backward
+            fused = sum(max(0.0, comm - product) for comm, product in pairs)
+            plain = sum(comm for comm, _ in pairs)    # 8 collectives, 12 recomputing
+            assert len(pairs) == (12 if recompute else 8)
+            for is_fused, by_hand in ((True, fused), (False, plain)):
+                assert planner.tensor_parallel_overlapped_time(
+                    model, ((0, 1),), seq, b, tp, False, 1, recompute, hw, rate, fp8,
+                    "torch", is_fused) == pytest.approx(by_hand + outside)
+            assert fused < plain
+    # settings of the run, from the command line; one kind of tensor parallelism at a time
     argv = ["--model", "llama3-70b", "--gpus", "64", "--global-batch-tokens", "1M"]
     settings = plan.settings_from_args(plan.parse_args([*argv, "--async-tp"]))
     assert settings.async_tp and not settings.tp_comm_overlap
     config = layout(dp=4, tp=4, pp=4, microbatches=32)
-    on, off = (planner.step_time(model, config, dataclasses.replace(settings, async_tp=a), hw)
-               for a in (True, False))
-    assert on["tp"] < off["tp"] and on["compute"] == off["compute"]
-    with pytest.raises(SystemExit):
-        plan.parse_args([*argv, "--async-tp", "--tp-comm-overlap"])
+    step = {name: planner.step_time(model, config, dataclasses.replace(settings, **kw), hw)
+            for name, kw in (("async", {}), ("torch", {"async_tp": False, "torch_tp": True}),
+                             ("megatron", {"async_tp": False}))}
+    # fewer collectives than Megatron's ten (fourteen recomputing), then six of them hidden
+    assert step["async"]["tp"] < step["torch"]["tp"] < step["megatron"]["tp"]
+    assert step["async"]["compute"] == step["megatron"]["compute"]
+    for flags in (["--async-tp", "--tp-comm-overlap"], ["--torch-tp", "--tp-comm-overlap"]):
+        with pytest.raises(SystemExit):
+            plan.parse_args([*argv, *flags])
+
+
+def test_expert_overlap_hides_the_dispatch_behind_the_computation_as_far_as_it_lasts():
+    """--ep-overlap (Megatron-Core's --overlap-moe-expert-parallel-comm): the dispatcher's
+    collectives run beside another micro-batch's computation; only what outlasts it is
+    charged."""
+    model = planner.Model(8, 2048, 16, 2048, 32000, gpt=False, experts=16, top_k=2,
+                          expert_hidden=1024)
+    config = layout(dp=64, tp=1, pp=1, ep=8, microbatches=8)
+    for gpus, slow in ((64, False), (64, True)):
+        hw = planner.Hardware(gpus, nvlink_gb_s=0.01 if slow else 360)   # ep 8: one node
+        plain, hidden = (planner.step_time(model, config, planner.Settings(
+            global_batch_tokens=2 ** 20, ep_overlap=overlap), hw) for overlap in (False, True))
+        work = plain["compute"] + plain["recompute"]
+        assert hidden["ep"] == pytest.approx(max(0.0, plain["ep"] - work))
+        assert (hidden["ep"] > 0) == slow
+    argv = ["--model", "deepseek-v3", "--gpus", "64", "--global-batch-tokens", "1M"]
+    assert plan.settings_from_args(plan.parse_args([*argv, "--ep-overlap"])).ep_overlap
 
 
 def layout(**overrides):

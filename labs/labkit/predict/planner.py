@@ -18,7 +18,7 @@ meshes, tp innermost, pp outermost: [pp, dp, cp, tp]):
       ranks, their matrices split etp ways (expert tensor parallelism: tp, Megatron-Core's
       default, or 1, the experts whole, as DeepSeek-V3's runs keep them). Megatron-Core
       lays etp x ep x edp over a stage's tp x cp x dp ranks, etp innermost (torchtitan
-      carves ep out of dp_shard x cp, and out of tp too when etp is 1): ep x etp divides
+      carves ep out of dp_shard x cp x tp and keeps each expert whole): ep x etp divides
       tp x cp x dp and does not
       multiply N; the experts' own data parallelism is edp = tp x cp x dp / (ep x etp).
       Tokens reach their experts through the cheaper of Megatron-Core's all-to-all and
@@ -37,12 +37,13 @@ at the slower of that and their HBM traffic (expert_matmul_slowdown); the pipeli
 (time_model.pipeline_bubble_fraction, m < p included); tensor-parallel collectives
 (comm_model.tensor_parallel_collectives) on NVLink, a stated fraction overlapped, or
 with tp_comm_overlap each beside a linear layer's product, as Transformer Engine runs them,
-or with async_tp as torch's asynchronous tensor parallelism does
+or torch's eight a layer (torch_tp), six of them fused with their products under async_tp
 (tensor_parallel_overlapped_time); the
 pipeline's sends; the data-parallel collectives (comm_model.data_parallel_step_collectives)
 over the hierarchical links (time_model.hierarchical_allreduce_time), hidden behind
 backward as far as they fit; context parallelism's ring, exposed where a block's transfer
-outlasts its compute; expert parallelism's all-to-alls, exposed.
+outlasts its compute; expert parallelism's dispatch, exposed (or, with ep_overlap or
+DualPipe, hidden behind the computation as far as it lasts).
 
 Precision (Settings.precision): bf16, or FP8 for the layers' linear products, which then
 run precision_model.FP8_MATMUL_RATIO times faster, the H100's measured FP8 matrix rate over
@@ -349,11 +350,17 @@ class Settings(HashedOnce):
     # (Transformer Engine's comm-GEMM overlap; tensor_parallel_overlapped_time): a run's
     # own setting, where it says so; it replaces tp_overlap's fraction
     tp_comm_overlap: bool = False
-    # each of torch's eight sequence-parallel collectives a layer fused with its product,
-    # as torch's asynchronous tensor parallelism runs them (torchtitan's
-    # enable_async_tensor_parallel; tensor_parallel_overlapped_time's "torch" style): a
-    # run's own setting, where it says so; it replaces tp_overlap's fraction
+    # torch's tensor parallelism (DTensor's, as torchtitan applies it): eight collectives a
+    # layer, the gathered inputs kept (tensor_parallel_overlapped_time's "torch" style)
+    torch_tp: bool = False
+    # and six of those eight fused with their products, as torch's asynchronous tensor
+    # parallelism runs them (torchtitan's enable_async_tensor_parallel; implies torch_tp):
+    # a run's own setting, where it says so; it replaces tp_overlap's fraction
     async_tp: bool = False
+    # the expert all-to-alls run beside another micro-batch's computation, hidden as far
+    # as that lasts, as Megatron-Core's --overlap-moe-expert-parallel-comm runs them in the
+    # interleaved 1F1B schedule: a run's own setting, where it says so
+    ep_overlap: bool = False
     flash_attention: bool = True
     zero: tuple = ZERO
     recompute: tuple = RECOMPUTE     # or one of them
@@ -445,7 +452,8 @@ def tensor_parallel_plan(layers, seq, batch, hidden, tp, embedding, recompute):
 
 @functools.lru_cache(maxsize=65536)
 def tensor_parallel_overlapped_time(model, spans, seq, batch, tp, embedding,
-                                    microbatches, recompute, hw, rate, fp8, style="te"):
+                                    microbatches, recompute, hw, rate, fp8, style="te",
+                                    fused=True):
     """Seconds of one rank's tensor-parallel collectives in a step when each of a layer's
     sequence-parallel all-gathers and reduce-scatters runs beside a linear layer's product,
     approximated as: only what outlasts that product is exposed.
@@ -475,18 +483,23 @@ def tensor_parallel_overlapped_time(model, spans, seq, batch, tp, embedding,
     last chunk of each pipelined reduce-scatter, which nothing hides, and what cutting a
     product into chunks costs it.
 
-    style "torch": as torch's asynchronous tensor parallelism runs them (torchtitan's
-    enable_async_tensor_parallel: torch.compile's micro-pipeline pass fuses each
-    all-gather with the product that consumes it and each product with the
-    reduce-scatter that follows, in forward and in backward, the fused kernels moving the
-    shards by copy engine while the product works on those already there). torch's
-    sequence parallelism keeps the gathered inputs for the weights' gradients, so a layer
-    issues eight: forward, the all-gathers before QKV and the MLP's first matrix and the
-    reduce-scatters after the output projection and the second matrix; backward, the
-    gradient's all-gathers before the output projection's and the second matrix's dgrad
-    and the reduce-scatters after QKV's and the first matrix's dgrad. Under FP8 (torchao's
-    float8 with its tensor-parallel styles) the forward all-gathers carry the inputs in
-    FP8; the rest stay bf16. Not charged: what cutting a product into tp pieces costs it.
+    style "torch": torch's tensor parallelism (DTensor's sequence parallelism, as
+    torchtitan applies it), which keeps the gathered inputs for the weights' gradients, so
+    a layer issues eight: forward, the all-gathers before QKV and the MLP's first matrix
+    and the reduce-scatters after the output projection and the second matrix; backward,
+    the gradient's all-gathers before the output projection's and the second matrix's
+    dgrad and the reduce-scatters after QKV's and the first matrix's dgrad. Under FP8
+    (torchao's float8 with its tensor-parallel styles) the all-gathers carry FP8, the
+    inputs forward and the gradients backward; the reduce-scatters stay bf16. fused=False:
+    plain tensor parallelism, all eight exposed. fused=True: asynchronous tensor
+    parallelism (torchtitan's enable_async_tensor_parallel): torch.compile's micro-pipeline
+    pass fuses each all-gather with the product that consumes it and each reduce-scatter
+    with the product that feeds it, the fused kernels moving the shards by copy engine
+    while the product works on those already there; the two backward reduce-scatters
+    stay whole, since what they reduce is the sum of several products (QKV's three, the
+    gate's and up's), which the pass cannot fuse. Not charged: what cutting a product into
+    tp pieces costs it, the partial results' reduction on the SMs, and the local copy and
+    barrier that start each fused kernel.
 
     Full recomputation repeats the forward's four in either style. In a mixture-of-experts
     layer the MLP's collectives are its shared experts' (a tensor-parallel MLP, as in
@@ -517,10 +530,13 @@ def tensor_parallel_overlapped_time(model, spans, seq, batch, tp, embedding,
             mlp = [(narrow, fc1), (narrow, fc2)]
             pairs = [(narrow, proj), (narrow, qkv), (wide, qkv)]    # ring_exchange dgrad, bulk
             pairs += [(narrow, fc2), (narrow, fc1), (wide, fc1)]    # the same of the MLP
-        else:   # torch: the inputs gathered in FP8, the reduce-scatters and backward bf16
+        else:   # torch: gathers in FP8 under torchao, reduce-scatters bf16
+            if not fused:                          # plain: no product hides anything
+                qkv = proj = fc1 = fc2 = 0.0
             attention = [(narrow, qkv), (wide, proj)]
             mlp = [(narrow, fc1), (wide, fc2)]
-            pairs = [(wide, proj), (wide, qkv), (wide, fc2), (wide, fc1)]   # dgrad
+            # dgrad: the gradient's gathers fused; the reduce-scatters of summed products not
+            pairs = [(narrow, proj), (wide, 0.0), (narrow, fc2), (wide, 0.0)]
         if moe and not model.shared_experts:   # no MLP collectives of its own
             mlp, pairs = [], pairs[:len(pairs) // 2]
         forward = attention + mlp
@@ -881,8 +897,8 @@ def dispatch_collective_time(model, tokens, ep, etp, hw):
     """Seconds of one of a MoE layer's four dispatcher passes for one micro-batch (the
     dispatch and the combine forward, and their gradients backward), a rank's `tokens`
     (its sequence-parallel share of a micro-batch) reaching the experts of its etp x ep
-    ranks (etp innermost). The cheaper of two of Megatron-Core's dispatchers, as a run
-    would choose:
+    ranks (etp innermost). The cheaper of two of Megatron-Core's dispatchers; a run fixes
+    one for all its layouts, so for a layout it did not tune this is a lower bound:
       all-to-all  each token to its top_k experts over the ep ranks, which sit etp apart,
                   then each copy a rank receives gathered over the etp ranks that split its
                   expert's matrices (an all-gather on NVLink; the combine reduce-scatters
@@ -1048,12 +1064,16 @@ def step_time(model, layout, settings, hw):
     # move by the dispatcher's collectives, priced with expert parallelism below): without
     # a shared expert it issues only its attention's half
     tp_s = 0.0
-    if tp > 1 and (settings.tp_comm_overlap or settings.async_tp):
+    torch_tp = settings.torch_tp or settings.async_tp
+    if tp > 1 and (settings.tp_comm_overlap or torch_tp):
         # the stage whose exposed traffic is longest
-        style = "torch" if settings.async_tp else "te"
+        style = "torch" if torch_tp else "te"
         tp_s = max(tensor_parallel_overlapped_time(
             model, spans, seq, b, tp, pp == 1, m, recompute == "full", hw, rate,
-            settings.precision == "fp8", style) for _, spans in rank_layers(model, cut, v))
+            settings.precision == "fp8", style, settings.tp_comm_overlap or settings.async_tp)
+            for _, spans in rank_layers(model, cut, v))
+        if not (settings.tp_comm_overlap or settings.async_tp):   # plain torch TP
+            tp_s *= 1 - settings.tp_overlap
     elif tp > 1:   # a stated fraction hidden (--tp-overlap), or none
         tp_s = max(tensor_parallel_time(
             sum(count for _, count in spans), seq, b, model.hidden, tp, pp == 1, m,
@@ -1107,6 +1127,8 @@ def step_time(model, layout, settings, hw):
     if layout.get("dualpipe"):   # one micro-batch's all-to-alls run beside another's compute
         exposed = max(0.0, ep_s + pp_s - work)   # what outlasts the computation, as ep
         ep_s, pp_s = exposed, 0.0
+    elif settings.ep_overlap:
+        ep_s = max(0.0, ep_s - work)
     result = {"compute": compute, "recompute": extra, "bubble": bubble, "tp": tp_s,
               "pp": pp_s, "dp": dp_exposed, "cp": cp_s, "ep": ep_s}
     result["step"] = sum(result.values())
