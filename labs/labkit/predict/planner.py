@@ -19,8 +19,8 @@ meshes, tp innermost, pp outermost: [pp, dp, cp, tp]):
       default, or 1, the experts whole, as DeepSeek-V3's runs keep them). Megatron-Core
       lays etp x ep x edp over a stage's tp x cp x dp ranks, etp innermost (torchtitan
       carves ep out of dp_shard x cp x tp and keeps each expert whole): ep x etp divides
-      tp x cp x dp and does not
-      multiply N; the experts' own data parallelism is edp = tp x cp x dp / (ep x etp).
+      tp x cp x dp and does not multiply N; the experts' own data parallelism is
+      edp = tp x cp x dp / (ep x etp).
       Tokens reach their experts through the cheaper of Megatron-Core's all-to-all and
       all-gather dispatchers (dispatch_collective_time)
 N = dp x cp x pp x tp.
@@ -427,7 +427,8 @@ def tensor_parallel_time(layers, seq, batch, hidden, tp, embedding, microbatches
     layer_part, outside, once = tensor_parallel_plan(layers, seq, batch, hidden, tp,
                                                      embedding, recompute)
     gather = 1 if fp8 else VALUE_BYTES
-    in_layers = priced(layer_part, tp, tp, hw, gather_bytes=gather) * (1 - moe_layers / layers / 2)
+    in_layers = priced(layer_part, tp, tp, hw, gather_bytes=gather) \
+        * (1 - moe_layers / layers / 2)
     return (microbatches * (in_layers + priced(outside, tp, tp, hw)) + priced(once, tp, tp, hw))
 
 
@@ -472,9 +473,7 @@ def tensor_parallel_overlapped_time(model, spans, seq, batch, tp, embedding,
                      (for the weight gradient) whole, beside the dgrad product, and the
                      dgrad's reduce-scatter whole, beside the weight-gradient product
                      (wgrad, as many FLOPs as the forward).
-    Full recomputation repeats the forward's four. A mixture-of-experts layer's MLP has
-    none of these: its dispatcher's collectives (dispatch_collective_time) are priced with
-    expert parallelism, exposed. The products run at `rate` FLOP/s, the linear layers'
+    The products run at `rate` FLOP/s, the linear layers'
     precision_model.FP8_MATMUL_RATIO times faster where `fp8`; an FP8 run also moves its
     all-gathers and the pipelined reduce-scatters in one byte a value (Transformer
     Engine's FP8 communication buffers; NeMo's FP8 overlap configuration sets fp8_buf for
@@ -505,9 +504,8 @@ def tensor_parallel_overlapped_time(model, spans, seq, batch, tp, embedding,
     layer the MLP's collectives are its shared experts' (a tensor-parallel MLP, as in
     Megatron-Core), beside their products; with no shared expert it issues none. The
     routed experts' tokens move by the dispatcher's collectives (dispatch_collective_time),
-    priced with expert parallelism, exposed. The
-    embedding's, the head's and the loss's collectives and the replicated gradients'
-    all-reduce stay exposed, at their plain times."""
+    priced with expert parallelism. The embedding's, the head's and the loss's collectives
+    and the replicated gradients' all-reduce stay exposed, at their plain times."""
     speed = precision_model.FP8_MATMUL_RATIO if fp8 else 1.0
     values = seq * batch * model.hidden
 
@@ -715,8 +713,8 @@ def expert_matmul_slowdown(model, tokens, etp, ep, rate, hw, fp8=False,
     (`tokens`: a micro-batch's on the etp ranks of an expert tensor-parallel group, whose
     routed copies Megatron-Core's dispatcher gathers for each of them; routing balanced)
     against weights of hidden x expert_hidden / etp: a few hundred tokens bring it near
-    the roofline's ridge, where HBM traffic rather than arithmetic can bound it. Each of the two matrices runs three
-    products of the same FLOPs: forward, the inputs' gradient, and the weights' gradient,
+    the roofline's ridge, where HBM traffic rather than arithmetic can bound it. Each of
+    the two matrices runs three products of the same FLOPs: forward, the inputs' gradient, and the weights' gradient,
     which adds into the gradient buffer (`grad_bytes` a value, read and written, as
     Megatron-Core's fused gradient accumulation does). A lower bound on the time: the
     datasheet's bandwidth, and none of the tile and wave quantization small products also
@@ -850,22 +848,25 @@ def stage_spans(cut, chunks=1):
 
 @functools.lru_cache(maxsize=65536)
 def slowest_data_parallel_time(model, cut, tp, ep, zero, microbatches, replicas, precision,
-                               hw, states, chunks=1, etp=None):
+                               hw, states, chunks=1, etp=None, dualpipe=False):
     """The longest of the ranks' data-parallel times (stage_data_parallel_time): the
-    pipeline moves at its slowest stage."""
+    pipeline moves at its slowest stage. Under DualPipe a rank holds stages r and
+    pp - 1 - r, each over twice the replicas (as memory() counts them), and reduces both."""
     ranks = rank_layers(model, cut, chunks)
-    return max(stage_data_parallel_time(model, chunk_spans, stage == 0, stage == len(ranks) - 1,
-                                        tp, ep, zero, microbatches, replicas, precision, hw,
-                                        states, etp)
-               for stage, chunk_spans in ranks)
+    copies = 2 if dualpipe else 1
+    per_stage = [stage_data_parallel_time(model, chunk_spans, stage == 0,
+                                          stage == len(ranks) - 1, tp, ep, zero, microbatches,
+                                          copies * replicas, precision, hw, states, etp)
+                 for stage, chunk_spans in ranks]
+    if dualpipe:
+        return max(t + per_stage[-1 - r] for r, t in enumerate(per_stage))
+    return max(per_stage)
 
 
 @functools.lru_cache(maxsize=4096)
 def most_moe_layers(model, cut, chunks=1):
     """The MoE layers of the rank that holds most of them."""
-    return max(sum(count for start, count in chunk_spans
-                   if model.experts and start >= model.dense_layers)
-               for _, chunk_spans in rank_layers(model, cut, chunks))
+    return max(moe_count(model, spans) for _, spans in rank_layers(model, cut, chunks))
 
 
 @functools.lru_cache(maxsize=65536)
@@ -1088,19 +1089,10 @@ def step_time(model, layout, settings, hw):
         alpha, beta = hw.nvlink if tp * cp * dp * pp <= node else hw.network
         pp_s = m * v * 2 * (alpha + VALUE_BYTES * b * seq * model.hidden / tp / beta)
     # data parallelism over the dp x cp replicas (experts over expert_replicas), hierarchical:
-    # the stage whose collectives take longest (the pipeline moves at its slowest stage).
-    # Under DualPipe a rank holds stages r and pp - 1 - r, each over twice the replicas (as
-    # memory() counts them), and reduces both
-    replicas = dp * cp
-    if layout.get("dualpipe"):
-        per_stage = [stage_data_parallel_time(
-            model, spans, stage == 0, stage == pp - 1, tp, ep, zero, m, 2 * replicas,
-            settings.precision, hw, settings.states, etp)
-            for stage, spans in rank_layers(model, cut, v)]
-        dp_s = max(per_stage[r] + per_stage[pp - 1 - r] for r in range(pp))
-    else:
-        dp_s = slowest_data_parallel_time(model, cut, tp, ep, zero, m, replicas,
-                                          settings.precision, hw, settings.states, v, etp)
+    # the stage whose collectives take longest (the pipeline moves at its slowest stage)
+    dp_s = slowest_data_parallel_time(model, cut, tp, ep, zero, m, dp * cp,
+                                      settings.precision, hw, settings.states, v, etp,
+                                      bool(layout.get("dualpipe")))
     backward = 2 * forward
     window = {"ddp": backward / m, "zero1": backward / m, "zero2": backward,
               "zero3": work}[zero]
@@ -1313,7 +1305,8 @@ def parse_layout(text):
         key, _, value = part.partition("=")
         key = key.strip()
         if key not in names or not value.strip().isdigit() or int(value) < 1:
-            raise ValueError(f"not a layout: {text!r} (tp=8,pp=16,dp=128[,cp=2,ep=8,etp=1,v=2,dualpipe=1], "
+            raise ValueError(f"not a layout: {text!r} "
+                             f"(tp=8,pp=16,dp=128[,cp=2,ep=8,etp=1,v=2,dualpipe=1], "
                              f"each a positive whole number)")
         layout[names[key]] = int(value)
     missing = {"dp", "tp", "pp"} - set(layout)
