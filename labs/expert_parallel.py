@@ -103,11 +103,13 @@ def groups(ep, dp, rank):
     return mine["ep"], mine["dp"]
 
 
-def build(args, shape, capacity_factor=None):
+def build(args, shape, device, capacity_factor=None):
+    """The model, built on `device` (every variant and the reference from the same seed)."""
     torch.manual_seed(args.seed)
     config = MoEConfig(args.experts, args.top_k, capacity_factor or args.capacity_factor,
                        args.expert_hidden)
-    return MoETransformer(shape, config)
+    with torch.device(device):
+        return MoETransformer(shape, config)
 
 
 def loss_of(model, ids, targets, aux_weight, scale):
@@ -123,7 +125,7 @@ def routed(model):
 
 def reference(args, shape, env):
     """`dense`: every rank's batch through one model holding every expert."""
-    model = build(args, shape)
+    model = build(args, shape, env.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
     for step in range(args.steps):
         counts, dropped = 0, 0
@@ -141,7 +143,7 @@ def run_variant(name, args, shape, env, ref):
     ep, dp = layout(name, env.world_size)
     ep_group, dp_group = groups(ep, dp, env.rank)
     small = SMALL_CAPACITY_FACTOR if name == "capacity_too_small" else None
-    model = build(args, shape, small).to(env.device)
+    model = build(args, shape, env.device, small)
     dispatcher = (AllGatherExperts(ep_group) if name == "allgather" else
                   AllToAllExperts(ep_group, combine_in_order=name != "combine_in_dispatch_order"))
     shard_experts(model, dispatcher)
@@ -235,7 +237,7 @@ def load_balance(args, shape, env):
     imbalances = {}
     for name, weight, speed in (("none", 0.0, 0.0), ("aux_loss", BALANCE_AUX_WEIGHT, 0.0),
                                 ("expert_bias", 0.0, BALANCE_BIAS_SPEED)):
-        model = build(args, shape)
+        model = build(args, shape, env.device)
         for layer in model.moe_layers():
             with torch.no_grad():
                 layer.router.bias[:2] += ROUTER_BIAS
@@ -275,8 +277,11 @@ def run(args, env):
                               "param_bytes_per_rank": 4 * sum(p.numel() for p in ref.parameters()),
                               "predicted_param_bytes_per_rank": 4 * total}
             continue
-        model, dispatcher, counters, lay = run_variant(name, args, shape, env, ref)
-        v = variants[name] = report(name, model, dispatcher, counters, lay, args, shape, env, ref)
+        v = variants[name] = distenv.try_variant(
+            env, name, lambda: report(name, *run_variant(name, args, shape, env, ref),
+                                      args, shape, env, ref))
+        if "not_run" in v:
+            continue
         verdict = "as expected" if ((v["max_param_diff"] <= 1e-5)
                                     == v["expected_equal"]) else "UNEXPECTED"
         env.print0(f"{name:>25}: max |p - dense| {v['max_param_diff']:.1e} ({verdict}), "

@@ -257,7 +257,7 @@ def state_bytes(implementation):
 
 
 def run(args, env):
-    initial = Transformer(SETUP.shape).to(env.device)
+    initial = Transformer(SETUP.shape, device=env.device)
     ddp, ddp_counter = counting_ddp(copy.deepcopy(initial), env)
     zero3 = ScratchZero3(copy.deepcopy(initial), env)
     fsdp2 = TorchFSDP2(copy.deepcopy(initial), env)

@@ -96,7 +96,7 @@ VALUE_BYTES = 4       # fp32 throughout
 def reference(shape, args, device):
     """One process, the whole model, the whole batch: {name: trained parameter}."""
     torch.manual_seed(args.seed)
-    model = Transformer(shape).to(device)
+    model = Transformer(shape, device=device)
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE, momentum=MOMENTUM)
     for step in range(args.steps):
         ids, targets = rank_batch(shape, args.batch, args.seed, step, 0, device)
@@ -265,7 +265,7 @@ def run(args, env, first_rank, device_mesh, everyone):
     first, last = stage == 0, stage == args.pp - 1
 
     torch.manual_seed(args.seed)   # the reference's initial weights, on every rank
-    model = TensorParallelTransformer(Transformer(shape).to(env.device), groups["tp"])
+    model = TensorParallelTransformer(Transformer(shape, device=env.device), groups["tp"])
     mine = slice(None)                       # the tokens of each sequence this rank keeps
     pieces = model
     if args.cp > 1:

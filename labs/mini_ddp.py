@@ -214,7 +214,7 @@ def reference_params(initial, args, env):
 
 def run(args, env):
     torch.manual_seed(args.seed)
-    initial = Transformer(SHAPE).to(env.device)
+    initial = Transformer(SHAPE, device=env.device)
     cap = int(args.bucket_mb * 2**20)
     links = [Link(env.world_size, delay) for delay in args.comm_delay_ns_per_byte]
     runs = {}   # (link index, variant) -> (implementation, step times)

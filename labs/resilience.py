@@ -97,7 +97,7 @@ def make(shape, args, env, per_parameter=True):
     per_parameter=False keeps DDP's own bucketed all-reduce."""
     torch.manual_seed(args.seed)
     hook = each_gradient_on_its_own if per_parameter else None
-    model = TorchDDP(Transformer(shape).to(env.device), env.device,
+    model = TorchDDP(Transformer(shape, device=env.device), env.device,
                      lambda params: torch.optim.SGD(params, lr=LEARNING_RATE, momentum=MOMENTUM),
                      comm_hook=hook)
     torch.manual_seed(distenv.derived_seed(args.seed, "batches", env.rank))

@@ -156,7 +156,7 @@ def measure(strategy, scaling, args, env, link, group=None):
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     batch_per_rank = args.batch // n if scaling == "strong" else args.batch
     torch.manual_seed(args.seed)
-    model = Transformer(SHAPE).to(env.device)
+    model = Transformer(SHAPE, device=env.device)
     plain = copy.deepcopy(model)
     ids, targets = rank_batch(SHAPE, batch_per_rank, args.seed, 0, rank, env.device)
     plan = collectives(model, strategy, n)
@@ -211,7 +211,7 @@ def count_step_flops(args, env):
     counts them: its matrix multiplications, what a GPU's quoted FLOP/s are for."""
     from torch.utils.flop_counter import FlopCounterMode   # here: rank 0 alone needs it
     torch.manual_seed(args.seed)
-    model = Transformer(SHAPE).to(env.device)
+    model = Transformer(SHAPE, device=env.device)
     ids, targets = rank_batch(SHAPE, args.batch, args.seed, 0, 0, env.device)
     with FlopCounterMode(display=False) as counter:
         next_token_loss(model(ids), targets).backward()
@@ -252,11 +252,17 @@ def measure_all(args, env, group=None):
     runs = []
     for strategy in args.strategy:
         for scaling in args.scaling:
-            if n == 1 and runs and runs[-1]["strategy"] == strategy:
+            if (n == 1 and runs and runs[-1]["strategy"] == strategy
+                    and "not_run" not in runs[-1]):
                 # one rank: strong and weak scaling are the same run, measured once
                 run = dict(runs[-1], scaling=scaling)
             else:
-                run = measure(strategy, scaling, args, env, link, group)
+                run = distenv.try_variant(
+                    env, f"{strategy}, {scaling} scaling",
+                    lambda: measure(strategy, scaling, args, env, link, group), group)
+                if "not_run" in run:
+                    runs.append({"strategy": strategy, "scaling": scaling, **run})
+                    continue
             runs.append(run)
             env.print0(f"{strategy}, {scaling} scaling, {run['batch_per_rank']} sequences "
                        f"per rank:")

@@ -139,7 +139,7 @@ def step(model, ids, targets):
 def reference(shape, args, env):
     """One process, the whole model, the same batches: {name: parameter}."""
     torch.manual_seed(args.seed)
-    model = Transformer(shape).to(env.device)
+    model = Transformer(shape, device=env.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
     for s in range(args.steps):
         ids, targets = rank_batch(shape, args.batch, args.seed, s, 0, env.device)
@@ -151,7 +151,7 @@ def reference(shape, args, env):
 
 def run_variant(name, shape, args, env, expected):
     torch.manual_seed(args.seed)
-    model = build(name, Transformer(shape).to(env.device), env)
+    model = build(name, Transformer(shape, device=env.device), env)
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
     counter = comm_model.CollectiveCounter(env.world_size)
     for s in range(args.steps):
@@ -187,7 +187,11 @@ def run(args, env):
     expected = reference(shape, args, env)
     variants, params, activations = {}, {}, {}
     for name in args.variants:
-        result = run_variant(name, shape, args, env, expected)
+        result = distenv.try_variant(env, name,
+                                     lambda: run_variant(name, shape, args, env, expected))
+        if "not_run" in result:
+            variants[name] = result
+            continue
         params[name] = result.pop("param_bytes")
         activations[name] = result.pop("activation_bytes")
         variants[name] = result

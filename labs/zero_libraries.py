@@ -111,8 +111,25 @@ class AccelerateRun:
         return [p.detach() for p in self.accelerator.unwrap_model(self.model).parameters()]
 
 
+def run_library(name, initial, batches, trained, env):
+    """Train a copy of `initial` with one library on `batches`; what it holds and how far
+    its parameters are from DDP's (`trained`). A library this box lacks (DeepSpeed or
+    Accelerate not installed, or built for another torch) raises, and is recorded."""
+    if name == "accelerate":
+        library = AccelerateRun(copy.deepcopy(initial), env)
+    else:
+        library = DeepSpeedRun(copy.deepcopy(initial), int(name[-1]), env)
+    for ids, targets in batches:
+        library.train_step(ids, targets)
+    return {"library_version": library.version,
+            "max_param_diff_vs_ddp": distenv.max_param_diff(library.full_parameters(),
+                                                            trained, env.device),
+            "local_param_numel": library.local_param_numel(),
+            "deepspeed_config": library.config}
+
+
 def run(args, env):
-    initial = Transformer(SETUP.shape).to(env.device)
+    initial = Transformer(SETUP.shape, device=env.device)
     batches = [rank_batch(SETUP.shape, SETUP.batch, args.seed, step, env.rank, env.device)
                for step in range(args.steps)]
     # the reference: torch DDP on the same batches
@@ -122,21 +139,12 @@ def run(args, env):
     trained = ddp.parameters()
     results = {}
     for name in args.library:
-        if name == "accelerate":
-            library = AccelerateRun(copy.deepcopy(initial), env)
-        else:
-            library = DeepSpeedRun(copy.deepcopy(initial), int(name[-1]), env)
-        for ids, targets in batches:
-            library.train_step(ids, targets)
-        results[name] = {
-            "library_version": library.version,
-            "max_param_diff_vs_ddp": distenv.max_param_diff(library.full_parameters(),
-                                                            trained, env.device),
-            "local_param_numel": library.local_param_numel(),
-            "deepspeed_config": library.config}
-        env.print0(f"{name} {library.version} at world size {env.world_size} "
-                   f"({env.backend}), {args.steps} steps: max |p - DDP| = "
-                   f"{results[name]['max_param_diff_vs_ddp']:.2e}")
+        result = results[name] = distenv.try_variant(
+            env, name, lambda: run_library(name, initial, batches, trained, env))
+        if "not_run" not in result:
+            env.print0(f"{name} {result['library_version']} at world size {env.world_size} "
+                       f"({env.backend}), {args.steps} steps: max |p - DDP| = "
+                       f"{result['max_param_diff_vs_ddp']:.2e}")
     return {"param_count": sum(p.numel() for p in initial.parameters()),
             "steps": args.steps,
             # how far training moved the weights: the differences above are small beside it

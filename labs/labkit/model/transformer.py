@@ -9,6 +9,7 @@ The embedding, each block and the head are separate modules (`units()`), so a sh
 wrapper such as FSDP2 can treat each as one unit and leave the root holding nothing.
 """
 
+import contextlib
 import dataclasses
 import math
 
@@ -91,12 +92,15 @@ class Head(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, shape):
+    def __init__(self, shape, device=None):
+        """Built where it will run: device=env.device makes the parameters there (on a GPU
+        from the GPU's generator), with no copy on the host first; None: torch's default."""
         super().__init__()
         self.shape = shape
-        self.embed = Embedding(shape)
-        self.blocks = nn.ModuleList(Block(shape) for _ in range(shape.layers))
-        self.head = Head(shape)
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            self.embed = Embedding(shape)
+            self.blocks = nn.ModuleList(Block(shape) for _ in range(shape.layers))
+            self.head = Head(shape)
 
     def units(self):
         """The modules a sharding wrapper should wrap one by one, in forward order."""
@@ -116,7 +120,8 @@ def next_token_loss(logits, targets):
 def random_batch(shape, batch, generator, device):
     """Token ids and next-token targets drawn at random: memory does not care what they say.
     generator=None draws from torch's global generator."""
-    ids = torch.randint(shape.vocab, (batch, shape.seq + 1), generator=generator)
+    # drawn on the host from a CPU generator, so that every device draws the same ids
+    ids = torch.randint(shape.vocab, (batch, shape.seq + 1), generator=generator, device="cpu")
     ids = ids.to(device)
     return ids[:, :-1], ids[:, 1:]
 

@@ -110,7 +110,7 @@ class AllToAllExperts:
         self.sent.append(send)
         received = AllToAll.apply(tokens[token[order]], receive, send, self.group)
         local = torch.arange(experts // n, device=tokens.device).repeat(n)
-        ids = layer.first_expert + local.repeat_interleave(from_each.cpu()).to(tokens.device)
+        ids = layer.first_expert + local.repeat_interleave(from_each)   # both on the device
         returned = AllToAll.apply(layer.run_experts(received, ids), send, receive, self.group)
         if self.combine_in_order:
             returned = returned[torch.argsort(order)]          # back to the slots' order

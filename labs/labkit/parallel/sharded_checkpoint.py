@@ -26,7 +26,7 @@ FULL_EXPORT = "full_model.pt"
 
 def sharded_model(env, seed):
     torch.manual_seed(seed)   # the same initial weights at every world size
-    model = apply_fsdp(Transformer(SETUP.shape).to(env.device), env.device)
+    model = apply_fsdp(Transformer(SETUP.shape, device=env.device), env.device)
     return model, SETUP.optimizer(model.parameters())
 
 
@@ -55,10 +55,13 @@ def save(directory, steps, seed, env):
     model, optimizer = sharded_model(env, seed)
     train(model, optimizer, range(steps), env, seed)
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state,
-              "progress": {"step": torch.tensor(steps),
-                           "world_size": torch.tensor(env.world_size)}},
-             checkpoint_id=directory)
+    # DCP plans its writes on the host (shard offsets as CPU tensors, made on the default
+    # device); where a process defaults to another device, it must be told
+    with torch.device("cpu"):
+        dcp.save({"model": model_state, "optimizer": optimizer_state,
+                  "progress": {"step": torch.tensor(steps, device="cpu"),
+                               "world_size": torch.tensor(env.world_size, device="cpu")}},
+                 checkpoint_id=directory)
     # The full export gathers every tensor; rank 0 alone keeps it, on CPU.
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                 cpu_offload=True))
@@ -80,8 +83,10 @@ def resume(directory, steps, seed, env):
     model, optimizer = sharded_model(env, seed + 1)   # other weights: all must load
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state,
-             "progress": {"step": torch.tensor(0), "world_size": torch.tensor(0)}}
-    dcp.load(state, checkpoint_id=directory)   # into this rank's shards: DCP reshards
+             "progress": {"step": torch.tensor(0, device="cpu"),
+                          "world_size": torch.tensor(0, device="cpu")}}
+    with torch.device("cpu"):   # its planning is host-side, as in save()
+        dcp.load(state, checkpoint_id=directory)   # into this rank's shards: DCP reshards
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])
     start = int(state["progress"]["step"])
@@ -89,7 +94,7 @@ def resume(directory, steps, seed, env):
     loaded = full_parameters(model)
     export_diff = None
     if env.is_rank0:   # the export in an ordinary model, no process group involved
-        plain = Transformer(SETUP.shape)
+        plain = Transformer(SETUP.shape, device="cpu")
         plain.load_state_dict(torch.load(directory / FULL_EXPORT, weights_only=True))
         export_diff = max_diff(dict(plain.named_parameters()), loaded)
 

@@ -79,7 +79,7 @@ def apply_fsdp_unit(module, mesh, reshard_after_forward=True):
     return module
 
 
-def qkv_rows_of_rank(hidden, heads, rank, tp):
+def qkv_rows_of_rank(hidden, heads, rank, tp, device=None):
     """Rows of the fused [Q; K; V] weight (3h x h) that hold rank `rank`'s heads: the same
     heads' rows of Q, of K and of V. Cutting the fused weight into t blocks of contiguous
     rows instead puts the wrong matrices where a rank expects its K and V (at t = 2, rank
@@ -87,8 +87,8 @@ def qkv_rows_of_rank(hidden, heads, rank, tp):
     if heads % tp:
         raise ValueError(f"{heads} heads do not split over {tp} ranks")
     width = hidden // tp   # heads / tp heads, hidden / heads rows each
-    return torch.cat([part * hidden + torch.arange(rank * width, (rank + 1) * width)
-                      for part in range(3)])
+    return torch.cat([part * hidden + torch.arange(rank * width, (rank + 1) * width,
+                                                    device=device) for part in range(3)])
 
 
 def group_qkv_by_rank(model, tp):
@@ -96,7 +96,8 @@ def group_qkv_by_rank(model, tp):
     torch's split into t contiguous blocks gives each rank whole heads. Returns the order
     (new row i is old row order[i]), to put a trained weight back."""
     h, heads = model.shape.hidden, model.shape.heads
-    order = torch.cat([qkv_rows_of_rank(h, heads, r, tp) for r in range(tp)])
+    device = model.blocks[0].qkv.weight.device
+    order = torch.cat([qkv_rows_of_rank(h, heads, r, tp, device) for r in range(tp)])
     with torch.no_grad():
         for block in model.blocks:
             block.qkv.weight.copy_(block.qkv.weight[order])

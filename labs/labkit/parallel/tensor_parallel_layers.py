@@ -173,7 +173,8 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         rank, t = dist.get_rank(group), dist.get_world_size(group)
         vocab = full.tokens.num_embeddings
-        self.rows = torch.arange(rank * vocab // t, (rank + 1) * vocab // t)
+        self.rows = torch.arange(rank * vocab // t, (rank + 1) * vocab // t,
+                                 device=full.tokens.weight.device)
         self.tokens = nn.Parameter(full.tokens.weight.detach()[self.rows].clone())
         self.positions = copy.deepcopy(full.positions)
         self.group, self.sequence_parallel, self.rank = group, sequence_parallel, rank
@@ -240,11 +241,13 @@ class TensorParallelTransformer(nn.Module):
         rank, t = dist.get_rank(group), dist.get_world_size(group)
         h, heads, ffn = full.shape.hidden, full.shape.heads, 4 * full.shape.hidden
         sp = sequence_parallel
-        contiguous = lambda n: torch.arange(rank * n // t, (rank + 1) * n // t)  # noqa: E731
+        device = full.head.norm.weight.device   # the index rows on the weights' device
+        contiguous = lambda n: torch.arange(rank * n // t, (rank + 1) * n // t,  # noqa: E731
+                                            device=device)
         self.embed = VocabParallelEmbedding(full.embed, group, sp)
         self.blocks = copy.deepcopy(full.blocks)
         for block in self.blocks:
-            qkv_rows = qkv_rows_of_rank(h, heads, rank, t) if qkv_by_heads else contiguous(3 * h)
+            qkv_rows = qkv_rows_of_rank(h, heads, rank, t, device) if qkv_by_heads else contiguous(3 * h)
             block.qkv = ColumnParallel(block.qkv, qkv_rows, group, sp, reduce_backward)
             block.proj = RowParallel(block.proj, contiguous(h), group, sp)
             block.fc1 = ColumnParallel(block.fc1, contiguous(ffn), group, sp, reduce_backward)

@@ -19,6 +19,7 @@ import dataclasses
 import datetime
 import gc
 import hashlib
+import inspect
 import json
 import os
 import platform
@@ -31,11 +32,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..predict.arguments import (ArgumentParser, LabInputError, at_least,  # noqa: F401
                                  choice_list, fail, int_list, lab_name, number_above, positive_int)
 
 DEFAULT_TIMEOUT_S = 120  # a missing peer fails after this long instead of hanging
+# LABS_DEVICE_GUARD=1, on CPU: tensors made without a device go to `meta` (see initialize)
+DEVICE_GUARD = "LABS_DEVICE_GUARD"
 
 # The flat-buffer collectives of sharded training: all_gather_single(output, input) fills
 # a tensor N times the input; reduce_scatter_single(output, input) sums and keeps 1/N.
@@ -267,6 +272,7 @@ class DistEnv:
             "nccl_version": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl,
             "python_version": platform.python_version(),
             **self.fp32,
+            **({"device_guard": True} if device_guard_on() else {}),
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         }
@@ -381,6 +387,92 @@ def measure_with_sub_worlds(env, sizes, measure, check=None):
     return result
 
 
+def bound_device(backend, device):
+    """init_process_group's device_id on NCCL, where this torch has it (2.3 and newer): the
+    communicator is created at once on this GPU, and each new_group is split from it
+    (ncclCommSplit) instead of bootstrapping a communicator of its own on first use."""
+    if backend != "nccl" or "device_id" not in inspect.signature(
+            dist.init_process_group).parameters:
+        return {}
+    return {"device_id": device}
+
+
+def device_guard_on():
+    """Whether this run checks the labs' devices on CPU (LABS_DEVICE_GUARD=1).
+
+    A CPU run cannot tell host from device: a model never moved to env.device, or a tensor
+    made without device=, is on the CPU like everything else, and the lab works. On a GPU
+    the same line mixes devices and fails. Under the guard, the process's default device is
+    `meta` while env.device stays the CPU, so such a tensor holds no data and fails at its
+    first use beside the lab's own (an operation, a collective, .item()). What stays on the
+    host on purpose must then say device="cpu", which is right on a GPU too. What it cannot
+    see: an explicit .cpu() or device="cpu" where env.device was meant (on a CPU they are
+    the same memory), and anything only CUDA checks (kernels' dtype and layout rules).
+    """
+    return os.environ.get(DEVICE_GUARD) == "1"
+
+
+class _MixedDevices(TorchDispatchMode):
+    """Under the device guard: an operation given a meta tensor beside a real one, or a
+    collective given a meta tensor, fails at once, naming the devices. Many meta kernels would accept the pair and return meta,
+    and the tensor that was never moved would fail only later, far from its cause, or
+    not at all. A 0-dim CPU tensor beside a device tensor is allowed, as CUDA allows it."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        devices = {t.device.type for t in pytree.tree_leaves((args, kwargs))
+                   if isinstance(t, torch.Tensor)
+                   and not (t.device.type == "cpu" and t.dim() == 0)}
+        # c10d's collectives have meta kernels that do nothing: a meta tensor sent alone
+        # would pass silently, where NCCL refuses a host tensor
+        if "meta" in devices and (len(devices) > 1 or func.namespace == "c10d"):
+            raise RuntimeError(
+                f"device guard: {func} was given tensors on {sorted(devices)}: one of them was "
+                f"made without device= (or never moved to env.device), and would be on the "
+                f"host while the others are on the GPU")
+        return func(*args, **kwargs)
+
+
+class VariantNotRun(Exception):
+    """A variant that cannot run on this box, raised by the lab itself with its reason."""
+
+
+def try_variant(env, name, measure, group=None, local=False):
+    """measure()'s result, or {"not_run": reason} where the variant cannot run on this box
+    (a kernel that refuses a dtype, an API this torch lacks): the lab records why and goes
+    on with its other variants instead of losing them all.
+
+    Every rank of `group` agrees (one all_gather_object): a variant that failed on one rank
+    is not run on all. `local=True`: measure() runs on this rank alone (rank 0's products),
+    and nothing is exchanged. Bad input (LabInputError) and a broken process group
+    (torch.distributed.DistError: a peer gone, a collective timed out) still end the lab:
+    after them no collective can be trusted. A variant that fails on one rank between two
+    collectives leaves its peers waiting until --timeout, and ends the lab then.
+    """
+    try:
+        result, error = measure(), None
+    except (LabInputError, dist.DistError):
+        raise
+    except VariantNotRun as reason:
+        result, error = None, str(reason)
+    except Exception as failure:   # noqa: BLE001 (any failure of the variant's own code)
+        lines = str(failure).strip().splitlines()
+        error = f"{type(failure).__name__}: {lines[0] if lines else ''}".strip(": ")
+        result = None
+    if not local:
+        errors = [None] * dist.get_world_size(group)
+        dist.all_gather_object(errors, error, group=group)
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if failed and error is None:
+            error = f"rank {failed[0][0]}: {failed[0][1]}"
+    if error is None:
+        return result
+    env.print0(f"{name}: not run ({error})")
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()   # what the failed variant left cached
+    return {"not_run": error}
+
+
 def _init_fake_group(world_size, timeout):
     """Rank 0 of a world of `world_size` in this one process: torch's fake process group.
 
@@ -441,19 +533,23 @@ def initialize(args, simulate_world_size=None, cpu_group=False):
         if simulate_world_size is not None:
             _init_fake_group(simulate_world_size, timeout)
             backend, world_size = "fake", simulate_world_size
-        elif store is not None:
-            dist.init_process_group(process_group_backend(backend, cpu_group), store=store,
-                                    rank=rank, world_size=world_size, timeout=timeout)
         else:
-            # A world of one needs no rendezvous at all: an in-process store, no port.
-            dist.init_process_group(process_group_backend(backend, cpu_group),
-                                    store=dist.HashStore(), rank=0, world_size=1,
-                                    timeout=timeout)
+            if store is None:   # a world of one needs no rendezvous: an in-process store
+                store, rank, world_size = dist.HashStore(), 0, 1
+            dist.init_process_group(process_group_backend(backend, cpu_group), store=store,
+                                    rank=rank, world_size=world_size, timeout=timeout,
+                                    **bound_device(backend, device))
     except dist.DistStoreError as error:
         first_line = str(error).strip().splitlines()[0]
         fail(f"rank {rank}: the process group of {world_size} did not form within "
              f"--timeout {args.timeout:g} s ({first_line})", every_rank=True)
     torch.manual_seed(args.seed)
+    if device_guard_on() and device.type == "cpu":
+        # Everything the lab makes without naming a device now lands on `meta`, which holds
+        # no data: a model never moved to env.device, or a tensor made without device=,
+        # fails at its first use beside the lab's real tensors, as it would on a GPU.
+        torch.set_default_device("meta")
+        _MixedDevices().__enter__()   # for the rest of the process
     env = DistEnv(rank, world_size, local_rank, local_world_size, backend, device,
                   simulated=simulate_world_size is not None, fp32=fp32, restarts=restarts)
     # Importing torch leaves about a million objects for the garbage collector to scan on
