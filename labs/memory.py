@@ -43,10 +43,14 @@ measure's JSON: `measurements`, one per (world size, strategy): [{world_size, si
 strategy, measured_bytes and predicted_bytes {params, grads, optimizer, total},
 layout_bytes (the same predicted from the exact shard layout: FSDP2's row chunks, ZeRO-1's
 whole-tensor partition), step_counter_bytes (Adam's step counters, not in the formulas),
-peak_cuda_bytes and predicted_peak_bytes (on a GPU; null on CPU)}]; `activation_bytes`
-{measured_per_layer, predicted_per_layer, measured, predicted}; `param_count`, `shape`,
-`optimizer`, `precision`. With several simulated worlds the top-level world_size is 1 (one
-process) and `simulated_world_sizes` lists them.
+peak_cuda_bytes (the peak of CUDA memory allocated above what was allocated before the
+strategy built its model, cuBLAS's workspaces included in neither) and predicted_peak_bytes
+(states + the larger of activations and Adam's step temporaries); both on a GPU, null on
+CPU}]; `cuda_workspace_bytes` (cuBLAS's workspaces, allocated by a warm-up before anything
+is measured; null on CPU); `activation_bytes` {measured_per_layer, predicted_per_layer,
+measured, predicted}; `param_count`, `shape`, `optimizer`, `precision`. With several
+simulated worlds the top-level world_size is 1 (one process) and `simulated_world_sizes`
+lists them.
 """
 
 import dataclasses
@@ -153,6 +157,9 @@ def measure(args):
                 shared = model_facts(args, env)
                 activations = shared["activation_bytes"]
                 env.print0(f"{shared['param_count']:,} parameters, {args.optimizer}, fp32")
+                if shared["cuda_workspace_bytes"] is not None:
+                    env.print0(f"cuBLAS workspaces: {shared['cuda_workspace_bytes']:,} bytes, "
+                               f"in no peak below")
                 env.print0(f"activations per layer: measured "
                            f"{activations['measured_per_layer']:,} bytes, formula "
                            f"{activations['predicted_per_layer']:,}")
@@ -177,14 +184,18 @@ def model_facts(args, env):
     """What does not depend on the strategy: the model's size, and its activations, counted
     in one forward of the bare model."""
     shape = shape_of(args)
+    # first, before any matrix product has made a workspace
+    workspace = warm_up_cublas(env.device) if env.device.type == "cuda" else None
     torch.manual_seed(args.seed)
-    model = Transformer(shape).to(env.device)
+    with torch.device(env.device):   # built where it lives (see measure_strategy)
+        model = Transformer(shape)
     ids, targets = random_batch(shape, args.batch, distenv.generator(args.seed, "activations"),
                                 env.device)
     kept = count_activation_bytes(model, lambda: next_token_loss(model(ids), targets))
     value_bytes = 4  # fp32 activations, no dropout in this model
     return {
         "optimizer": args.optimizer, "precision": PRECISION,
+        "cuda_workspace_bytes": workspace,
         "shape": dataclasses.asdict(shape) | {"batch": args.batch},
         "param_count": sum(p.numel() for p in model.parameters()),
         "activation_bytes": {
@@ -198,27 +209,57 @@ def model_facts(args, env):
     }
 
 
+def warm_up_cublas(device):
+    """Bytes of cuBLAS workspace that a forward and backward leave allocated on a GPU.
+
+    torch 2.13 (aten/src/ATen/cuda/CublasHandlePool.cpp, setWorkspaceForHandle) gives each
+    pair of cuBLAS handle and stream a workspace of torch.backends.cuda.cublas_workspace_size()
+    bytes (CUBLAS_WORKSPACE_CONFIG; by default 32 MiB on sm90, 8 MiB + 128 KiB on sm80),
+    from the caching allocator, kept until the process ends: memory_allocated counts it.
+    Handles are per thread, and autograd runs a GPU's backward on a thread of its own: a
+    forward and a backward leave two. Made here, before anything is measured, they are part
+    of every strategy's baseline and of no peak. A linear layer takes the path the model's
+    do (cuBLASLt, which shares the workspace unless TORCH_CUBLASLT_UNIFIED_WORKSPACE=0)."""
+    before = torch.cuda.memory_allocated(device)   # the allocator counts on the host
+    weight = torch.ones(64, 64, device=device, requires_grad=True)
+    bias = torch.zeros(64, device=device, requires_grad=True)
+    torch.nn.functional.linear(weight, weight, bias).sum().backward()
+    del weight, bias   # and their gradients: only the workspaces stay
+    return torch.cuda.memory_allocated(device) - before
+
+
 def measure_strategy(strategy, args, env):
     """Build, wrap and train the model under one strategy; what rank 0 holds, measured and
     predicted."""
     shape = shape_of(args)
+    if env.device.type == "cuda":
+        # The peak is taken above what is allocated now (cuBLAS's workspaces, see
+        # warm_up_cublas), so that it holds what this strategy allocates, and nothing else.
+        baseline = torch.cuda.memory_allocated(env.device)
+        torch.cuda.reset_peak_memory_stats(env.device)
     torch.manual_seed(args.seed)   # the same initial weights for every strategy
-    model = Transformer(shape).to(env.device)
+    # Built on its device, not moved there: a GPU holds no CPU copy first, and under
+    # LABS_DEVICE_GUARD a model built without a device would be meta, with nothing to copy.
+    with torch.device(env.device):
+        model = Transformer(shape)
     param_count = sum(p.numel() for p in model.parameters())
     layout = layout_bytes(model, strategy, env.world_size, env.rank, args.optimizer)
     wrapped, optimizer = wrap(model, strategy, env, args.optimizer)
-    if env.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(env.device)
     measured, step_counters = train_and_count(wrapped, optimizer, shape, args, env)
     predicted = memory_model.state_bytes_per_gpu(param_count, env.world_size, strategy,
                                                  args.optimizer, PRECISION)
     peak = predicted_peak = None
     if env.device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(env.device)
+        peak = torch.cuda.max_memory_allocated(env.device) - baseline
         activations = memory_model.activation_bytes(
             shape.layers, shape.seq, args.batch, shape.hidden, shape.heads, shape.vocab,
             4, dropout=False)[1]
-        predicted_peak = predicted["total"] + activations
+        # On CUDA, Adam steps with foreach kernels, whose temporary list lives during the
+        # step, when the activations are gone: the peak holds the larger of the two.
+        state_bytes = memory_model.bytes_per_parameter(args.optimizer, PRECISION)[2]
+        temporaries = memory_model.optimizer_step_temporary_bytes(
+            predicted["optimizer"] / state_bytes if state_bytes else 0, args.optimizer)
+        predicted_peak = predicted["total"] + max(activations, temporaries)
     return {"world_size": env.world_size, "simulated": env.simulated, "strategy": strategy,
             "measured_bytes": measured, "predicted_bytes": predicted, "layout_bytes": layout,
             "step_counter_bytes": step_counters,
@@ -235,8 +276,9 @@ def report(row, env):
     for key in ("params", "grads", "optimizer", "total"):
         env.print0(f"{key:>10} {measured[key]:>12,} {predicted[key]:>12,.0f} {layout[key]:>12,}")
     if row["peak_cuda_bytes"] is not None:
-        env.print0(f"peak CUDA memory {row['peak_cuda_bytes']:,} bytes; "
-                   f"states + activations {row['predicted_peak_bytes']:,.0f}")
+        env.print0(f"peak CUDA memory above the baseline {row['peak_cuda_bytes']:,} bytes; "
+                   f"predicted {row['predicted_peak_bytes']:,.0f} (states + the larger of "
+                   f"activations and Adam's step temporaries)")
 
 
 def predict(args):

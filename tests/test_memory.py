@@ -2,7 +2,8 @@
 DDP, ZeroRedundancyOptimizer and FSDP2. The chapter measures every strategy on real ranks
 at N = 1 and 4 and on simulated ones at N = 2, 3, 4, 8, 64 and 1024 (one process runs
 these and the world of one), and asserts each; here real ranks at N = 3 (odd), a
-simulated N = 16 alone, the calculator, and bad input."""
+simulated N = 16 alone, a world of one and a simulated N = 3 under the device guard, the
+calculator, and bad input."""
 
 import json
 
@@ -13,7 +14,8 @@ from conftest import assert_fails_with_one_line, assert_refused
 from labkit.runtime import distenv
 from labkit.predict import memory_model
 from labkit.runtime.launch import run_lab
-from labkit.model.transformer import Transformer
+from labkit.model.transformer import Transformer, next_token_loss, random_batch
+from labkit.runtime.activations import count_activation_bytes
 
 KEYS = ("params", "grads", "optimizer", "total")
 
@@ -95,6 +97,30 @@ def test_a_simulated_world_of_16_in_one_process():
     shape = result["shape"]
     assert result["param_count"] == memory_model.transformer_params(
         shape["layers"], shape["hidden"], shape["vocab"], shape["seq"])
+
+
+def test_the_lab_runs_under_the_device_guard():
+    """LABS_DEVICE_GUARD=1 (distenv.device_guard_on): what the lab makes without naming a
+    device is meta, so a model or batch left off env.device fails as it would on a GPU.
+    A real world of one (gloo) and a simulated one (the fake group, whose collectives would
+    pass a meta tensor silently) both run, and count what the unguarded lab counts."""
+    result = run_lab("memory", None, ["measure", "--strategy", "all",
+                                      "--simulate-world-size", "1,3"],
+                     env={distenv.DEVICE_GUARD: "1"}, echo=False)
+    assert result["device_guard"] is True and result["simulated_world_sizes"] == [1, 3]
+    rows = result["measurements"]
+    assert [(row["world_size"], row["strategy"]) for row in rows] == [
+        (n, s) for n in (1, 3) for s in memory_model.STRATEGIES]
+    for row in rows:
+        check_measurement(row, row["strategy"], row["world_size"])
+    # the activations, counted here without the guard: the same bytes
+    model = Transformer(memory.SHAPE)
+    ids, targets = random_batch(memory.SHAPE, memory.BATCH,
+                                distenv.generator(0, "activations"), "cpu")
+    kept = count_activation_bytes(model, lambda: next_token_loss(model(ids), targets))
+    activations = result["activation_bytes"]
+    assert (activations["measured_per_layer"], activations["measured"]) == (
+        kept[0], sum(kept.values()))
 
 
 @pytest.mark.parametrize("args, words", [

@@ -68,6 +68,16 @@ def state_bytes_per_gpu(params, gpus, strategy, optimizer="adam", precision="mix
     return {name: _whole_if_integral(value) for name, value in result.items()}
 
 
+def optimizer_step_temporary_bytes(local_params, optimizer="adam", foreach=True):
+    """Bytes an optimizer's step allocates for a moment beyond its state (torch 2.13), for a
+    rank that updates `local_params` fp32 values. Adam with foreach kernels (torch's default
+    on CUDA, not on CPU: _default_to_fused_or_foreach) makes one list, sqrt(exp_avg_sq), as
+    large as exp_avg_sq: 4 bytes a value, half of Adam's state. Single-tensor Adam (CPU's
+    default) holds such a temporary for one tensor at a time, and SGD with or without
+    momentum none: 0 here. They live during the step, once the activations are freed."""
+    return 4 * local_params if optimizer == "adam" and foreach else 0
+
+
 def zero_offload_gpu_bytes(params, gpus, stage, largest_layer_params=0):
     """Bytes of model states one GPU keeps under ZeRO-Offload (Ren et al., 2021), with
     mixed-precision Adam: the gradients, the fp32 master weights and Adam's two buffers
