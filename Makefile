@@ -1,4 +1,4 @@
-# Two commands do everything on a fresh machine with Python 3.10+ and make:
+# Two commands do everything on a fresh machine with Python 3.11+ and make:
 #   make book    build the executed book into _build/html
 #   make test    run the tests, build the book with warnings as errors, check the built pages
 # Both create the virtual environment from requirements.txt on first use.
@@ -66,8 +66,8 @@ $(VENV)/.installed: requirements.txt | $(BIN)/activate
 	$(BIN)/python -m pip install --no-compile -q pip==$(PIP_VERSION)
 ifeq ($(TORCH),system)
 	$(BIN)/python -c "import torch; print('using the installed torch', torch.__version__)"
-	grep -v '^torch==' requirements.txt > $(VENV)/requirements-without-torch.txt
-	$(BIN)/python -m pip install --no-compile -r $(VENV)/requirements-without-torch.txt
+	$(BIN)/python scripts/system_requirements.py requirements.txt > $(VENV)/requirements-system.txt
+	$(BIN)/python -m pip install --no-compile -r $(VENV)/requirements-system.txt
 else
 	$(BIN)/python -m pip install --no-compile -r requirements.txt
 endif
