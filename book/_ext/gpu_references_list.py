@@ -25,21 +25,21 @@ class GpuReferences(SphinxDirective):
         rows = []
         for folder, summary in references.boxes(results):
             ran = [o["lab"] for o in summary["labs"] if o["ok"]]
-            failed = [o["lab"] for o in summary["labs"] if not o["ok"]]
+            failed = references.failures(summary)   # each with its own first error line
             # the versions and date as the first lab that ran wrote them
             first = next((json.loads((results / folder / f"{lab}.json").read_text())
                           ["reference"] for lab in ran), {})
             rows.append([f"results/{folder}", summary.get("gpu") or "CPU",
                          summary["world_size"], first.get("date", "-")[:10],
                          references.versions(first) or "-",
-                         ", ".join(ran) or "-", ", ".join(failed) or "-"])
+                         ", ".join(ran) or "-", "; ".join(failed) or "-"])
             self.env.note_dependency(str(results / folder / "summary.json"))
         if not rows:
             return [nodes.paragraph(text=(
                 "No GPU reference is recorded yet: every figure in this book comes from the "
                 "CPU of the machine that built it."))]
-        return [make_table(["folder", "GPU", "GPUs", "date", "versions", "labs", "failed"],
-                           rows, [18, 18, 6, 10, 20, 20, 8])]
+        return [make_table(["folder", "GPU", "GPUs", "date", "versions", "labs", "failed, why"],
+                           rows, [14, 14, 5, 9, 16, 18, 24])]
 
 
 def setup(app):

@@ -5,7 +5,10 @@ on a GPU box: the lab's own result under "result", and under "reference" what it
 A lab's result names each prediction `predicted_<name>` beside the figure it predicts
 (`<name>`, or `measured_<name>`); `figure_pairs` finds every such pair, and `section` is
 the Markdown a chapter prints: for each box that ran the lab, what it ran on, then each
-figure beside its prediction. Where no box has run it, it says so.
+figure beside its prediction. Where no box has run it, it says so. `failures` is what a
+box's summary.json says of the labs that did not run there, and `gpu_traces` and
+`trace_section` the profiled steps it kept (results/<gpu>-x<N>/traces/<lab>/), read by
+the course's trace reader.
 
 Torch-free: the status page's build extension reads the same folder.
 """
@@ -13,6 +16,7 @@ Torch-free: the status page's build extension reads the same folder.
 import json
 import math
 import numbers
+import re
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parents[3] / "results"
@@ -156,3 +160,54 @@ def boxes(results=None):
     results = RESULTS if results is None else Path(results)
     return [(path.parent.name, json.loads(path.read_text()))
             for path in sorted(results.glob("*/summary.json"))]
+
+
+def failures(summary):
+    """[the first error line of each lab that did not run ok] in a box's summary.json, with
+    the lab's name in front where the line does not start with it ("zero_libraries: not
+    run: why")."""
+    said = []
+    for o in summary["labs"]:
+        if not o["ok"]:
+            error = o.get("error") or "failed"
+            said.append(error if error.startswith(f"{o['lab']}:") else f"{o['lab']}: {error}")
+    return said
+
+
+# results/<box>/traces/<lab>/<run>-rank<r>.json.gz, as make gpu-references keeps them
+TRACE_FILE = re.compile(r"^(?P<run>.+)-rank(?P<rank>\d+)\.json(\.gz)?$")
+
+
+def gpu_traces(results=None):
+    """{(folder, run): [paths, by rank]}: each box's profiled runs (ddp-weak-n8, ...), each
+    with its ranks' traces."""
+    results = RESULTS if results is None else Path(results)
+    runs = {}
+    for path in sorted(results.glob("*/traces/*/*")):
+        match = TRACE_FILE.match(path.name)
+        if match:
+            runs.setdefault((path.parents[2].name, match["run"]), []).append(
+                (int(match["rank"]), path))
+    return {key: [path for _, path in sorted(ranked)] for key, ranked in runs.items()}
+
+
+def trace_section(results=None):
+    """A Markdown table of each box's profiled runs as the trace reader takes them apart:
+    the slowest rank's window per profiled step, and its computation, communication,
+    exposed communication and idle time; "" where no box kept a trace."""
+    from ..predict import trace_reader   # torch-free too; only needed here
+    rows = []
+    for (folder, run), paths in gpu_traces(results).items():
+        ranks = trace_reader.analyze_all([(path.name, trace_reader.load_file(path))
+                                          for path in paths])["ranks"]
+        slowest = max(ranks.values(), key=lambda r: r["window_s"])
+        per_step = 1e3 / max(slowest["steps"], 1)   # ms per profiled step
+        rows.append(f"| {folder} | {run} | {len(ranks)} | {slowest['rank']} | "
+                    + " | ".join(f"{slowest[key] * per_step:.3g}" for key in (
+                        "window_s", "compute_s", "communication_s",
+                        "exposed_communication_s", "idle_s")) + " |")
+    if not rows:
+        return ""
+    return "\n".join(["| box | run | ranks | slowest rank | step (ms) | compute | "
+                      "communication | exposed | idle |",
+                      "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |", *rows])
