@@ -34,11 +34,14 @@ Launch lines (from the repository root):
 
 JSON: variants {name: {state_bytes_per_rank and predicted_state_bytes_per_rank ({params,
 grads, optimizer}, rank 0's shards), comm_bytes_per_rank and predicted_comm_bytes_per_rank
-(one step, ring volumes), max_param_diff_vs_fp32}, or {error} where a variant cannot run
-here}; loss_scaling {fp16_unscaled: {zero_gradient_fraction}, fp16_scaled:
+(one step, ring volumes), max_param_diff_vs_fp32}, or {error} where fp8_allgather cannot
+run here (torchao missing, uneven shards), or {not_run} where torchao fails otherwise};
+loss_scaling {fp16_unscaled: {zero_gradient_fraction}, fp16_scaled:
 {zero_gradient_fraction, skipped_steps, final_scale}}; fp8_gemm {tensorwise, rowwise,
 blockwise: {relative_error and predicted_relative_error ({output, input_grad}),
-relative_error_with_outlier (of the other channels' product, under the outlier's scales)}};
+relative_error_with_outlier (of the other channels' product, under the outlier's scales),
+and where this box's _scaled_mm refused a product and it was emulated, emulated: true and
+emulated_because {output or input_grad: the refusal}}, or {not_run} where it failed};
 fp8_scale_pitfalls {amax_zero: {nan_fraction, nan_fraction_with_floor}, amax_infinite:
 {nan_fraction}, amax_stale: {stale_by, nan_fraction, saturated_fraction, relative_error,
 relative_error_current_amax}}; bf16_reduce_error {n: {relative_error,
@@ -165,42 +168,57 @@ def predicted_comm(units, fp8_units, world_size, name):
 
 def run_variants(shape, args, env):
     torch.manual_seed(args.seed)
-    initial = Transformer(shape).to(env.device)
+    with torch.device(env.device):   # built where it trains (see distenv's device guard)
+        initial = Transformer(shape)
     units = [[tuple(p.shape) for p in unit.parameters()] for unit in initial.units()]
     blocks = set(initial.blocks)
     linear_weights = [[tuple(m.weight.shape) for m in unit.modules()
                        if isinstance(m, torch.nn.Linear)] if unit in blocks else []
                       for unit in initial.units()]
     shapes = [s for unit in units for s in unit]
-    results, reference = {}, None
     uneven = sorted({rows for unit in linear_weights for rows, _ in unit
                      if rows % env.world_size})
+
+    def measure(name):
+        """Variant `name`'s result, and its trained weights, whole."""
+        model, fp8_numel, state, sent = train_variant(name, initial, shape, args, env)
+        full = [p.full_tensor().detach().float() for p in model.parameters()]
+        fp8_units = linear_weights if fp8_numel else [[] for _ in units]
+        return {
+            "state_bytes_per_rank": state,
+            "predicted_state_bytes_per_rank": predicted_state(shapes, env.world_size, name),
+            "comm_bytes_per_rank": float(sent),
+            "predicted_comm_bytes_per_rank": predicted_comm(units, fp8_units,
+                                                            env.world_size, name),
+            "max_param_diff_vs_fp32": max((a - b).abs().max().item()
+                                          for a, b in zip(full, reference or full)),
+        }, full
+
+    def fp8_allgather():
+        try:
+            return measure("fp8_allgather")[0]
+        except ImportError as error:   # torchao missing: said in the JSON, not hidden
+            return {"error": f"{type(error).__name__}: {error}"}
+
+    results, reference = {}, None
     for name in args.variants:
-        if name == "fp8_allgather" and uneven:
+        if name != "fp8_allgather":
+            # torch's own API, there since torch 2.6: a failure is the lab's, and ends it
+            results[name], full = measure(name)
+            reference = reference or full   # fp32's: parse_args puts it first
+        elif uneven:
             # seen with torchao 0.18 on gloo: FSDP2 pads the uneven shards, and the float8
             # all-gather then receives more bytes than it expects, which aborts the process
             results[name] = {"error": f"FSDP2 pads the float8 weights' rows "
                                       f"({', '.join(map(str, uneven))}) to a multiple of "
                                       f"{env.world_size}, which torchao's float8 all-gather "
                                       f"does not handle"}
-            continue
-        try:
-            model, fp8_numel, state, sent = train_variant(name, initial, shape, args, env)
-        except ImportError as error:   # torchao missing: said in the JSON, not hidden
-            results[name] = {"error": f"{type(error).__name__}: {error}"}
-            continue
-        full = [p.full_tensor().detach().float() for p in model.parameters()]
-        reference = full if name == "fp32" else reference
-        fp8_units = linear_weights if fp8_numel else [[] for _ in units]
-        results[name] = {
-            "state_bytes_per_rank": state,
-            "predicted_state_bytes_per_rank": predicted_state(shapes, env.world_size, name),
-            "comm_bytes_per_rank": float(sent),
-            "predicted_comm_bytes_per_rank": predicted_comm(units, fp8_units,
-                                                            env.world_size, name),
-            "max_param_diff_vs_fp32": None if reference is None else max(
-                (a - b).abs().max().item() for a, b in zip(full, reference)),
-        }
+        else:
+            # torchao is built for one torch: against another it can fail in other ways
+            # than ImportError as it loads or converts the model, on every rank alike and
+            # before any collective. try_variant records why ({"not_run": ...}), and the
+            # other variants keep their results.
+            results[name] = distenv.try_variant(env, name, fp8_allgather)
     return results, sum(p.numel() for p in initial.parameters())
 
 
@@ -211,7 +229,8 @@ def fp16_run(shape, args, env, scaler):
     the share of the last step's gradient values of the blocks' matrices that are exactly
     0, and how many steps the scaler skipped."""
     torch.manual_seed(args.seed)
-    model = Transformer(shape).to(env.device)
+    with torch.device(env.device):
+        model = Transformer(shape)
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
     zero_share, skipped = 0.0, 0
     for step in range(args.steps):
@@ -257,11 +276,30 @@ def scales(x, fmt, rows, cols):
     return blocks.repeat_interleave(rows, 0).repeat_interleave(cols, 1)
 
 
+def scaled_mm(qa, qb, scale_a, scale_b):
+    """torch._scaled_mm(qa, qb) in fp32, and None; or, where this box's kernel refuses the
+    combination, the same product emulated, and the refusal's first line. Row-wise scales
+    on CUDA builds whose cuBLAS is older than 12.9 (and on sm89) go to a CUTLASS kernel
+    that refused an fp32 output until pytorch#187569, and refuses an e5m2 second operand
+    (an e5m2 first one it takes: the input gradient's product puts dy first); cuBLASLt
+    refuses e5m2 x e5m2. The emulation computes what the kernel does up to the order of
+    its fp32 additions: each product of two FP8 values is exact in fp32, and the scales
+    multiply the sum."""
+    try:
+        return torch._scaled_mm(qa, qb, scale_a=scale_a, scale_b=scale_b,
+                                out_dtype=torch.float32), None
+    except (RuntimeError, ValueError) as refusal:   # TORCH_CHECK, TORCH_CHECK_VALUE
+        lines = str(refusal).strip().splitlines()
+        reason = f"{type(refusal).__name__}: {lines[0] if lines else ''}"
+        return (qa.float() @ qb.float()) * scale_a * scale_b, reason
+
+
 def fp8_matmul(a, b, a_fmt, b_fmt, granularity, block):
-    """a @ b (a: M x K, b: K x N) with both cast to FP8 and multiplied by torch._scaled_mm,
-    fp32 out. tensorwise: a scale per tensor; rowwise: per row of a and per column of b
-    (along the contraction); blockwise: 1 x block tiles of a and block x block blocks of b,
-    one _scaled_mm per block of K, its partial product accumulated in fp32."""
+    """a @ b (a: M x K, b: K x N) with both cast to FP8 and multiplied by torch._scaled_mm
+    (scaled_mm), fp32 out. tensorwise: a scale per tensor; rowwise: per row of a and per
+    column of b (along the contraction); blockwise: 1 x block tiles of a and block x block
+    blocks of b, one _scaled_mm per block of K, its partial product accumulated in fp32.
+    Returns the product, and why it was emulated (None: the kernel ran)."""
     (m, k), n = a.shape, b.shape[1]
     shapes = {"tensorwise": ((m, k), (k, n)), "rowwise": ((1, k), (k, 1)),
               "blockwise": ((1, block), (block, block))}[granularity]
@@ -270,16 +308,21 @@ def fp8_matmul(a, b, a_fmt, b_fmt, granularity, block):
     qb = (b / sb).to(TORCH_FP8[b_fmt])
     chunks = range(0, k, block) if granularity == "blockwise" else [0]
     width = block if granularity == "blockwise" else k
-    out = torch.zeros(m, n, device=a.device)
+    out, emulated = torch.zeros(m, n, device=a.device), None
     for start in chunks:
         part = slice(start, start + width)
-        # one scale per row of a and per column of b within this block of K
-        row_scale, col_scale = sa[:, start:start + 1], sb[start:start + 1, :]
+        if granularity == "tensorwise":
+            # one-element fp32 scales: what _scaled_mm reads as per tensor (an M x 1 column
+            # of equal values is per row to it, which some of its kernels refuse)
+            row_scale, col_scale = sa[:1, :1], sb[:1, :1]
+        else:   # one scale per row of a and per column of b within this block of K
+            row_scale, col_scale = sa[:, start:start + 1], sb[start:start + 1, :]
         # _scaled_mm wants its second operand column-major: the transpose of a contiguous one
-        out += torch._scaled_mm(qa[:, part].contiguous(), qb[part, :].t().contiguous().t(),
-                                scale_a=row_scale.contiguous(), scale_b=col_scale.contiguous(),
-                                out_dtype=torch.float32)
-    return out
+        product, refused = scaled_mm(qa[:, part].contiguous(), qb[part, :].t().contiguous().t(),
+                                     row_scale.contiguous(), col_scale.contiguous())
+        out += product
+        emulated = emulated or refused
+    return out, emulated
 
 
 def fp8_matmul_inputs(x, fmt, granularity, block):
@@ -315,7 +358,8 @@ def run_scale_pitfalls(shape, args, env):
     tensor's own, so that the values above it are cast to e4m3's largest value (torch
     2.12 on; earlier versions return NaN for them, counted in nan_fraction)."""
     generator = distenv.generator(args.seed, "fp8 scales")
-    x = torch.randn(BATCH * shape.seq, 4 * shape.hidden, generator=generator).to(env.device)
+    x = torch.randn(BATCH * shape.seq, 4 * shape.hidden, generator=generator,
+                    device="cpu").to(env.device)   # host-drawn, as in run_fp8_gemm
     zeros = torch.zeros_like(x)
     floor = torch.finfo(torch.float32).tiny
     overflowed = x.clone()
@@ -347,7 +391,7 @@ def run_reduce_error(args, env):
     precision_model.sum_relative_error (a ring's additions, each partial sum rounded).
     Every rank creates every group; the ranks past n sit that one out."""
     groups = {n: dist.new_group(list(range(n))) for n in range(env.world_size, 0, -1)}
-    values = torch.randn(REDUCE_NUMEL, generator=distenv.generator(
+    values = torch.randn(REDUCE_NUMEL, device="cpu", generator=distenv.generator(
         args.seed, "bf16 reduce", env.rank)).to(torch.bfloat16).to(env.device)
     results = {}
     for n, group in groups.items():
@@ -366,35 +410,49 @@ def run_fp8_gemm(shape, args, env):
     """The model's second MLP matrix (input 4h, output h): forward y = x W^T and input
     gradient dx = dy W, per granularity, against fp32; then with one input channel of x
     made --outlier times larger, the error of what the other channels contribute (the
-    outlier's own term would dominate the output and hide what its scale does to them)."""
+    outlier's own term would dominate the output and hide what its scale does to them).
+    Each granularity is a variant of its own (distenv.try_variant): one that fails says
+    why, {"not_run": ...}, and the others keep their results. A product the kernel refuses
+    is emulated (scaled_mm): its result says so, "emulated": true, and why, by product."""
     generator = distenv.generator(args.seed, "fp8 gemm")
     tokens, h = BATCH * shape.seq, shape.hidden
-    x = torch.randn(tokens, 4 * h, generator=generator).to(env.device)
-    w = (torch.randn(h, 4 * h, generator=generator) / (4 * h) ** 0.5).to(env.device)
-    dy = (torch.randn(tokens, h, generator=generator) * 1e-3).to(env.device)   # small values
+    # drawn on the host from a CPU generator (the same values on every device), then moved
+    x = torch.randn(tokens, 4 * h, generator=generator, device="cpu").to(env.device)
+    w = (torch.randn(h, 4 * h, generator=generator, device="cpu") / (4 * h) ** 0.5).to(
+        env.device)
+    dy = (torch.randn(tokens, h, generator=generator, device="cpu") * 1e-3).to(
+        env.device)   # small values
     spiked = x.clone()
     spiked[:, 7] *= args.outlier
     others = torch.arange(4 * h, device=env.device) != 7
     predicted = {"output": precision_model.gemm_relative_error("e4m3", "e4m3"),
                  "input_grad": precision_model.gemm_relative_error("e5m2", "e4m3")}
-    results = {}
-    for granularity in ("tensorwise", "rowwise", "blockwise"):
-        def errors(inputs):
-            out = fp8_matmul(inputs, w.t().contiguous(), "e4m3", "e4m3", granularity,
-                             args.fp8_block)
-            grad = fp8_matmul(dy, w, "e5m2", "e4m3", granularity, args.fp8_block)
-            return {"output": relative_error(out, inputs @ w.t()),
-                    "input_grad": relative_error(grad, dy @ w)}
+
+    def rest(value):   # the columns of every channel but the outlier's
+        return value[:, others]
+
+    def measure(granularity):
+        out, out_emulated = fp8_matmul(x, w.t().contiguous(), "e4m3", "e4m3", granularity,
+                                       args.fp8_block)
+        grad, grad_emulated = fp8_matmul(dy, w, "e5m2", "e4m3", granularity, args.fp8_block)
         # the outlier's scales, applied to the other channels: cast with the spike, then
         # multiplied without its channel
-        def rest(value):
-            return value[:, others]
         cast = fp8_matmul_inputs(spiked, "e4m3", granularity, args.fp8_block)
         wq = fp8_matmul_inputs(w, "e4m3", granularity, args.fp8_block)
-        with_outlier = relative_error(rest(cast) @ rest(wq).t(), rest(spiked) @ rest(w).t())
-        results[granularity] = {"relative_error": errors(x), "predicted_relative_error":
-                                predicted, "relative_error_with_outlier": with_outlier}
-    return results
+        result = {"relative_error": {"output": relative_error(out, x @ w.t()),
+                                     "input_grad": relative_error(grad, dy @ w)},
+                  "predicted_relative_error": predicted,
+                  "relative_error_with_outlier": relative_error(
+                      rest(cast) @ rest(wq).t(), rest(spiked) @ rest(w).t())}
+        emulated = {part: why for part, why in (("output", out_emulated),
+                                                ("input_grad", grad_emulated)) if why}
+        if emulated:
+            result.update(emulated=True, emulated_because=emulated)
+        return result
+
+    return {granularity: distenv.try_variant(env, f"FP8 {granularity}",
+                                             lambda: measure(granularity), local=True)
+            for granularity in ("tensorwise", "rowwise", "blockwise")}
 
 
 # ---------------------------------------------------------------- the lab
@@ -437,6 +495,8 @@ def main():
             if "error" in result:
                 env.print0(f"{name:>14}: not run here ({result['error']})")
                 continue
+            if "not_run" in result:   # try_variant has said why
+                continue
             env.print0(f"{name:>14}: sent {result['comm_bytes_per_rank']:,.0f} B "
                        f"(predicted {result['predicted_comm_bytes_per_rank']:,.0f}), "
                        f"max |p - fp32| {result['max_param_diff_vs_fp32']:.1e}")
@@ -445,9 +505,13 @@ def main():
                    f" unscaled, {scaled['fp16_scaled']['zero_gradient_fraction']:.1%} scaled "
                    f"({scaled['fp16_scaled']['skipped_steps']} steps skipped)")
         for granularity, result in metrics["fp8_gemm"].items():
+            if "not_run" in result:   # try_variant has said why
+                continue
             env.print0(f"FP8 {granularity:>10}: output {result['relative_error']['output']:.4f}, "
                        f"input grad {result['relative_error']['input_grad']:.4f}; with the "
-                       f"outlier {result['relative_error_with_outlier']:.4f} (the other channels)")
+                       f"outlier {result['relative_error_with_outlier']:.4f} (the other channels)"
+                       + "".join(f"; {part} emulated ({why})"
+                                 for part, why in result.get("emulated_because", {}).items()))
         pitfalls = metrics["fp8_scale_pitfalls"]
         env.print0(f"FP8 scales: amax 0 -> {pitfalls['amax_zero']['nan_fraction']:.0%} NaN "
                    f"({pitfalls['amax_zero']['nan_fraction_with_floor']:.0%} with a floor); "

@@ -1,15 +1,24 @@
 """The precision lab: FSDP2 under each precision recipe against the memory and
 communication models, fp16 with and without loss scaling, and FP8 matrix products against
 the formats' error model, FP8 scales from bad amaxes, and gradients summed in bf16 over
-1 ... N ranks; at N = 3 (odd: FSDP2 pads uneven shards) in one launch, and bad input. The
-chapter runs N = 4, where torchao's float8 all-gather runs, and asserts its bytes
-(precision.md, hidden cells). A missing peer: test_distenv, since every lab forms its group
-in distenv.initialize, whose timeout ends a rank whose peers never come."""
+1 ... N ranks; at N = 3 (odd: FSDP2 pads uneven shards) in one launch, and bad input;
+what a box refuses (a _scaled_mm that refuses a combination, torchao that fails to load),
+and the lab under the device guard. The chapter runs N = 4, where torchao's float8
+all-gather runs, and asserts its bytes (precision.md, hidden cells). A missing peer:
+test_distenv, since every lab forms its group in distenv.initialize, whose timeout ends a
+rank whose peers never come."""
+
+import json
+import subprocess
+import sys
+import types
 
 import pytest
+import torch
 
 import precision
-from conftest import assert_fails_with_one_line, assert_lab_metadata, assert_refused
+from conftest import LABS, assert_fails_with_one_line, assert_lab_metadata, assert_refused
+from labkit.runtime import distenv, launch
 from labkit.runtime.launch import run_lab
 
 BF16 = ("bf16_autocast", "bf16_params", "bf16_reduce")
@@ -101,3 +110,127 @@ def test_a_block_that_does_not_divide_is_one_line_from_the_command_line(script):
     assert_fails_with_one_line(script("precision", "--hidden", 96),
                                "--fp8-block 128 does not divide --hidden 96")
 
+
+# ---------------------------------------------------------------- what a box refuses
+
+# The FP8 products, in this process: run_fp8_gemm with torch._scaled_mm as a box's kernel
+# answers. try_variant (local=True) asks nothing of the process group.
+ENV = types.SimpleNamespace(device=torch.device("cpu"), print0=print)
+ARGS = types.SimpleNamespace(seed=0, outlier=precision.OUTLIER, fp8_block=precision.FP8_BLOCK)
+REAL_SCALED_MM = torch._scaled_mm
+
+
+@pytest.fixture(scope="module")
+def products():
+    """The products as this torch's own _scaled_mm computes them (it refuses nothing on CPU)."""
+    return precision.run_fp8_gemm(precision.SHAPE, ARGS, ENV)
+
+
+def refusing(refuses, error):
+    """torch._scaled_mm that raises `error` where refuses(a, b, scale_a) holds, as a
+    kernel's TORCH_CHECK does, and runs otherwise."""
+    def scaled_mm(a, b, *, scale_a, scale_b, out_dtype, **options):
+        if refuses(a, b, scale_a):
+            raise error
+        return REAL_SCALED_MM(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
+                              **options)
+    return scaled_mm
+
+
+def row_wise(a, b, scale_a):
+    return scale_a.numel() > 1
+
+
+def e5m2_first(a, b, scale_a):
+    return a.dtype == torch.float8_e5m2
+
+
+@pytest.mark.parametrize("refuses, error, emulated", [
+    # torch's CUTLASS row-wise kernel (sm89; sm90 with cuBLAS < 12.9), before and after it
+    # took fp16 (pytorch#166744): an fp32 output, row-wise
+    (row_wise, RuntimeError("Only bf16 high precision output types are supported for "
+                            "row-wise scaling."), {"rowwise": ("output", "input_grad"),
+                                                   "blockwise": ("output", "input_grad")}),
+    (row_wise, ValueError("Only bf16 and fp16 high precision output types are supported "
+                          "for row-wise scaling."), {"rowwise": ("output", "input_grad"),
+                                                     "blockwise": ("output", "input_grad")}),
+    # a kernel that refused an e5m2 first operand (torch's take one; its CUTLASS row-wise
+    # kernel refuses an e5m2 second one): the input gradient's product alone
+    (e5m2_first, RuntimeError("Expected mat_a to be Float8_e4m3fn"),
+     {g: ("input_grad",) for g in ("tensorwise", "rowwise", "blockwise")}),
+], ids=["fp32-out-row-wise", "fp32-out-row-wise-after-fp16", "e5m2-first"])
+def test_a_refused_fp8_product_is_emulated_and_says_so(monkeypatch, products, refuses,
+                                                       error, emulated):
+    """A product the kernel refuses is emulated, labelled with the refusal; it errs as the
+    kernel's does (exact products, fp32 sums: only the order of the additions differs).
+    Per tensor, the lab passes one-element scales: a row-wise refusal leaves it alone."""
+    monkeypatch.setattr(torch, "_scaled_mm", refusing(refuses, error))
+    gemm = precision.run_fp8_gemm(precision.SHAPE, ARGS, ENV)
+    assert list(gemm) == ["tensorwise", "rowwise", "blockwise"]
+    said = f"{type(error).__name__}: {error}"
+    for granularity, result in gemm.items():
+        parts = emulated.get(granularity, ())
+        if parts:
+            assert result["emulated"] is True, granularity
+            assert result["emulated_because"] == {part: said for part in parts}, granularity
+        else:
+            assert "emulated" not in result and "emulated_because" not in result, granularity
+        kernel = products[granularity]
+        for part in ("output", "input_grad"):
+            assert result["relative_error"][part] == pytest.approx(
+                kernel["relative_error"][part], rel=1e-5), (granularity, part)
+
+
+def test_a_failed_fp8_product_is_not_run_and_the_others_keep_theirs(monkeypatch, products):
+    """A failure that is no refusal of the kernel's (a TypeError: another signature) ends
+    that granularity alone, {"not_run": why}; per tensor still runs, unchanged."""
+    error = TypeError("_scaled_mm() got an unexpected keyword argument 'out_dtype'")
+    monkeypatch.setattr(torch, "_scaled_mm", refusing(row_wise, error))
+    gemm = precision.run_fp8_gemm(precision.SHAPE, ARGS, ENV)
+    for granularity in ("rowwise", "blockwise"):
+        assert gemm[granularity] == {"not_run": f"TypeError: {error}"}, granularity
+    assert gemm["tensorwise"] == products["tensorwise"]
+
+
+TORCHAO_FAILS = """
+import sys
+import precision
+
+def convert_to_float8(blocks):   # torchao against a torch it was not built for
+    raise AttributeError("module 'torch' has no attribute 'float8_e8m0fnu'")
+
+precision.convert_to_float8 = convert_to_float8
+sys.argv[0] = precision.__file__
+precision.main()
+"""
+
+
+def test_torchao_that_fails_to_load_is_not_run_and_the_lab_goes_on(tmp_path):
+    """torchao built for another torch fails with more than ImportError: the FP8 variant
+    says why, and the lab keeps its other variants and parts (a world of one)."""
+    out = tmp_path / "p.json"
+    command = [sys.executable, "-c", TORCHAO_FAILS, "--variants", "fp32,fp8_allgather",
+               "--steps", 1, "--out", out]
+    done = subprocess.run(list(map(str, command)), capture_output=True, text=True, timeout=300,
+                          env=launch.lab_environment({"PYTHONPATH": str(LABS)}))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["variants"]["fp8_allgather"] == {
+        "not_run": "AttributeError: module 'torch' has no attribute 'float8_e8m0fnu'"}
+    fp32 = result["variants"]["fp32"]
+    assert fp32["state_bytes_per_rank"] == fp32["predicted_state_bytes_per_rank"]
+    assert set(result["fp8_gemm"]) == {"tensorwise", "rowwise", "blockwise"}
+    assert "fp8_allgather: not run (AttributeError" in done.stdout
+
+
+def test_the_lab_keeps_its_tensors_on_its_device(products):
+    """Under the device guard (distenv: tensors made without a device land on `meta`) the
+    lab runs whole, torchao's float8 all-gather included, and measures what it measures
+    without the guard: its products equal those computed here, unguarded."""
+    result = run_lab("precision", None, ["--steps", 1], env={distenv.DEVICE_GUARD: "1"},
+                     echo=False)
+    assert result["device_guard"] is True and result["device"] == "cpu"
+    for name, variant in result["variants"].items():
+        assert variant["state_bytes_per_rank"] == variant["predicted_state_bytes_per_rank"], name
+    assert result["variants"]["fp8_allgather"]["max_param_diff_vs_fp32"] > 0
+    assert result["fp8_gemm"] == products
