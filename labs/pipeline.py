@@ -48,17 +48,21 @@ ran, joined by the median handoff) and predicted_bubble_fraction_with_handoff_ra
 the smallest and largest), peak_microbatches_in_flight and
 predicted_peak_microbatches_in_flight (one per stage), p2p_bytes_per_rank and
 predicted_p2p_bytes_per_rank (one per rank), ops_over_compute_ms, profile (rank 0's trace
-with --profile, else null)}} for the first
+with --profile, else null)}, or {not_run: why} for a torch schedule that could not run
+on this box} for the first
 --microbatches value, and `timeline` {name: [{stage, op, microbatch, chunk, start_s,
-end_s, wait_s}]} of its last step (the one timed: the steps before it run unpadded), gathered from every rank (wait_s: when the stage
-waited for the op's input); `sweep` [{microbatches, batch, schedules, skipped}] for every
-value, `skipped` saying why a torch schedule did not run (its 1F1B schedule needs m >= p;
-its interleaved one an m that its m // p rounds divide). P2P bytes are counted over the
+end_s, wait_s}]} of its last step (the one timed: the steps before it run unpadded),
+gathered from every rank (wait_s: when the stage waited for the op's input); `sweep`
+[{microbatches, batch, schedules, skipped}] for every value, `skipped` saying why a torch
+schedule did not run (its 1F1B schedule needs m >= p; its interleaved one an m that its
+m // p rounds divide). P2P bytes are counted over the
 second step (torch's schedules exchange a few bytes of set-up in their first), the
 timeline is the last step's.
 The handoff between stages (a message and the wake-up of the rank waiting for it) is
 measured once per launch: micro-batches sent down the pipeline and back, with ops as long
-as the schedules' (labkit.parallel.pipeline_schedules.handoff_samples).
+as the schedules' (labkit.parallel.pipeline_schedules.handoff_samples). Every wait for a
+message, there and in every schedule, blocks the rank until the message is in, on NCCL as
+on gloo, and is timed where it happens (pipeline_schedules.wait_for_work).
 """
 
 import contextlib
@@ -93,7 +97,7 @@ PITFALLS = ("no_loss_scale", "recv_before_send")
 def reference(shape, batch, args, device):
     """One process, the whole model, the whole batch: the trained model."""
     torch.manual_seed(args.seed)
-    model = Transformer(shape).to(device)
+    model = Transformer(shape, device=device)   # built where it trains, not moved there
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
     for step in range(args.steps):
         ids, targets = rank_batch(shape, batch, args.seed, step, 0, device)
@@ -112,10 +116,11 @@ class Pipeline:
 
     def __init__(self, name, shape, m, args, env):
         self.name, self.m, self.env = name, m, env
+        timeout_s = args.timeout   # every wait for a message gives up after it
         p, v = env.world_size, chunks_of(name, args)
         self.indices = [chunk * p + env.rank for chunk in range(v)]
-        torch.manual_seed(args.seed)   # the reference's initial weights
-        all_pieces = split_pieces(Transformer(shape).to(env.device), p * v)
+        torch.manual_seed(args.seed)   # the reference's initial weights, made as it makes them
+        all_pieces = split_pieces(Transformer(shape, device=env.device), p * v)
         self.clock = OpClock(None if args.compute_ms is None else args.compute_ms / 1e3 / v,
                              device=env.device)
         self.pieces = [all_pieces[k] for k in self.indices]
@@ -133,7 +138,7 @@ class Pipeline:
                 input_example=lambda k: ids if k == 0 else activation(*self.activation_shape),
                 output_example=lambda k: activation(micro, shape.seq, shape.vocab) if k == last
                 else activation(*self.activation_shape),
-                stage_class=timed_torch_stage(self.clock))
+                stage_class=timed_torch_stage(self.clock, timeout_s))
         self.scratch_options = dict(scale_loss=name != "no_loss_scale",
                                     recv_before_send=name == "recv_before_send")
         self.optimizer = torch.optim.SGD([q for piece in self.pieces for q in piece.parameters()],
@@ -208,7 +213,8 @@ def run_one(name, shape, m, args, env, expected, handoffs, profile=False):
     # The prediction with the handoff: the ops as they ran on each rank (their order, and
     # each one's time from its input in hand to its end), what each rank spent between
     # ops before it could take the next input (posting what the last one made: measured
-    # where the from-scratch schedules record their waits, else the gap before the op),
+    # where a wait for a message was recorded before the op, by run_schedule or in
+    # torch's schedules, else the gap before the op),
     # and the handoff this launch measured: its median, and its smallest and largest
     # sample for the range its spread allows.
     orders = {rank: [] for rank in range(p)}
@@ -225,13 +231,14 @@ def run_one(name, shape, m, args, env, expected, handoffs, profile=False):
     # A wake-up as late as the latest this step saw (an op that overran its controlled
     # time overran by a late wake-up from its sleep) may hit any handoff: the range's top
     # adds it to the largest sample, so a busy machine widens the range by what it showed.
-        late = latest_wakeup(ranks, pipeline.clock.compute_s)
+    late = latest_wakeup(ranks, pipeline.clock.compute_s)
     handoff = ((statistics.median(handoffs), min(handoffs), max(handoffs) + late)
                if handoffs else (0.0, 0.0, late))
-    # Where a schedule records no waits (torch's own), the gap before each op stands for
-    # what the rank spent before it could take its input, and that gap already holds the
-    # time its input took to arrive: the range's bottom then adds no handoff on top, or
-    # the model would count the handoff twice and sit above what the step measured.
+    # Where an op has no recorded wait, the gap before it stands for what the rank spent
+    # before it could take its input, and may already hold the time its input took to
+    # arrive: the range's bottom then adds no handoff on top, or the model would count the
+    # handoff twice and sit above what the step measured. (Every schedule has such ops:
+    # the first stage's forwards and the last stage's backwards wait for no message.)
     if any(e["wait_s"] is None for r in ranks for e in r["events"]):
         handoff = (handoff[0], 0.0, handoff[2])
     with_handoff = [time_model.pipeline_bubble_with_handoff(orders, durations, latency,
@@ -319,7 +326,8 @@ def run(args, env):
     batch = args.microbatches[0] * args.microbatch_size if args.microbatch_size else args.batch
     handoffs = handoff_samples(env.rank, env.world_size,
                                (batch // args.microbatches[0], shape.seq, shape.hidden),
-                               env.device, HANDOFF_ROUNDS, (args.compute_ms or 0) / 1e3)
+                               env.device, HANDOFF_ROUNDS, (args.compute_ms or 0) / 1e3,
+                               timeout_s=args.timeout)
     for index, m in enumerate(args.microbatches):
         args.batch = m * args.microbatch_size if args.microbatch_size else args.batch
         expected = reference(shape, args.batch, args, env.device)
@@ -330,12 +338,25 @@ def run(args, env):
                 skipped[name] = reason
                 env.print0(f"{name:>17} m={m:<2}: skipped, {reason}")
                 continue
-            result, timeline = run_one(name, shape, m, args, env, expected, handoffs,
-                                       profile=args.profile is not None and index == 0)
-            schedules[name] = result
+            def measure():
+                result, timeline = run_one(name, shape, m, args, env, expected, handoffs,
+                                           profile=args.profile is not None and index == 0)
+                return {"result": result, "timeline": timeline}
+
+            if name.startswith("torch_"):
+                # one of torch's schedules may be missing or refuse on another torch: it is
+                # recorded as not run ({"not_run": why}) and the others go on. The lab's own
+                # run directly: a deadlock (the pitfall) must end the lab with its one line.
+                ran = distenv.try_variant(env, f"{name:>17} m={m:<2}", measure)
+                if "not_run" in ran:
+                    schedules[name] = ran
+                    continue
+            else:
+                ran = measure()
+            schedules[name] = ran["result"]
             if index == 0:
-                timelines[name] = timeline
-            report(env, name, m, result)
+                timelines[name] = ran["timeline"]
+            report(env, name, m, ran["result"])
         sweep.append({"microbatches": m, "batch": args.batch, "schedules": schedules,
                       "skipped": skipped})
     return {"pp": env.world_size, "shape": dataclasses.asdict(shape),

@@ -4,8 +4,10 @@ The tensor is cut into N chunks (sizes differ by at most one element; some are e
 it has fewer than N elements). Reduce-scatter: in N-1 steps each rank sends one chunk to
 the next rank and adds the chunk it receives from the previous one, until rank r holds the
 full sum of chunk r+1. All-gather: N-1 more steps pass the summed chunks around the ring.
-Each step is pipelined: a chunk travels as segments, and each received segment is added
-while the next ones are still on the wire.
+Each step is pipelined: a chunk travels as a few segments (at most MAX_SEGMENTS, each of at
+least --segment-bytes), and each received segment is added while the next ones are still
+on the wire. A world of one has no ring: it checks the result and times the calls, and
+reports no bus bandwidth (null), since nothing crosses a link.
 
   --numel LIST    correctness runs, one per length (e.g. 1,3,1000003), on random float32
                   elements, compared with dist.all_reduce on the same input; bytes sent
@@ -30,8 +32,10 @@ Launch lines (from the repository root):
 JSON metrics: correctness [{numel, max_abs_err, bytes_sent_per_rank (counted on rank 0),
 predicted_bytes_per_rank, bytes_sent_by_rank, predicted_bytes_by_rank}], one per --numel,
 and with --sizes: sweep [{bytes, iterations (per sample), ring_time_s, library_time_s (per
-operation, median), ring_busbw_gbps, library_busbw_gbps, ...}], alpha_s, beta_bytes_per_s
-(fitted to the library); sub_worlds [{world_size, correctness, and with --sizes sweep,
+operation, median), ring_busbw_gbps, library_busbw_gbps (null in a world of one),
+segments_per_step (what the ring sends to its neighbour per step), ...}], alpha_s,
+beta_bytes_per_s (fitted to the library), note (what a world of one cannot show, else
+absent); sub_worlds [{world_size, correctness, and with --sizes sweep,
 alpha_s, beta_bytes_per_s}], one per --sub-worlds size, largest first.
 """
 
@@ -53,7 +57,11 @@ SAMPLE_S = 0.02            # a sample repeats the operation back to back for abo
 MAX_ITERATIONS = 20        # ... at most this many times, and reports the time per operation
 # implementation
 SEGMENT_BYTES = 2 << 20    # pipelining grain: 2 MiB per send/receive (gloo pays ~0.2 ms per message)
+MAX_SEGMENTS = 4           # ... and at most this many per chunk: larger chunks, larger segments
 ELEMENT_SIZE = 4           # float32
+ONE_RANK = ("a world of one: no other rank, so nothing is sent and no bus bandwidth exists "
+            "(its factor 2(N-1)/N is 0); the correctness check and the time of each call "
+            "(the ring's Python, the library's call) are all it shows")
 
 
 def ring_steps(rank, world_size):
@@ -83,6 +91,20 @@ def _receive_buffers(numel, dtype, device):
     return _buffers[key][:, :numel]
 
 
+def segment_elements(chunk_numel, element_size, segment_bytes=SEGMENT_BYTES):
+    """Elements per segment for chunks of up to `chunk_numel` elements: `segment_bytes`, or
+    more where a chunk would need more than MAX_SEGMENTS of them.
+
+    Small segments let a received one be added while the next is on the wire, but every
+    segment is a call: on gloo about 0.2 ms each, on NCCL a group call and a kernel, run
+    one after another on one stream. At 1 GiB on 8 GPUs, 2 MiB segments would make 64
+    per step and about 900 calls per all-reduce, and the time would be the launches', not
+    the links'. NCCL's own ring moves a step's chunk in slices inside one kernel; the
+    course's ring sends at most MAX_SEGMENTS per step to its neighbour, so a large
+    message is a few large transfers, the last segment's addition alone left exposed."""
+    return max(1, segment_bytes // element_size, -(-chunk_numel // MAX_SEGMENTS))
+
+
 def run_ring(flat, steps, segment_bytes=SEGMENT_BYTES, group=None):
     """Run consecutive ring `steps` on the 1-D tensor `flat`, in place, pipelined by segment.
 
@@ -96,7 +118,7 @@ def run_ring(flat, steps, segment_bytes=SEGMENT_BYTES, group=None):
     nxt, prev = global_rank((rank + 1) % n), global_rank((rank - 1) % n)
     bounds = comm_model.chunk_bounds(flat.numel(), n)
     largest = bounds[0][1] - bounds[0][0]
-    grain = max(1, segment_bytes // flat.element_size())
+    grain = segment_elements(largest, flat.element_size(), segment_bytes)
     scratch = _receive_buffers(largest, flat.dtype, flat.device)
 
     def segments(chunk):
@@ -173,7 +195,7 @@ def check_correctness(env, numel, seed, segment_bytes, group=None):
     """Ring vs dist.all_reduce on the same random input; bytes counted on every rank."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     gen = distenv.generator(seed, "data", numel, rank)  # different data on every rank
-    data = torch.randn(numel, generator=gen).to(env.device)
+    data = torch.randn(numel, generator=gen, device="cpu").to(env.device)   # host generator
     expected = data.clone()
     dist.all_reduce(expected, group=group)
     sent = ring_allreduce(data, segment_bytes, group)
@@ -204,7 +226,7 @@ def sweep(env, sizes, repeats, segment_bytes, group=None):
     rows, n = [], dist.get_world_size(group)
     for size in sizes:
         numel = size // ELEMENT_SIZE
-        source = torch.randn(numel).to(env.device)
+        source = torch.randn(numel, device=env.device)   # any values: only the time counts
         buffer = torch.empty_like(source)
         implementations = {
             "ring": lambda: ring_allreduce(buffer, segment_bytes, group),
@@ -225,14 +247,19 @@ def sweep(env, sizes, repeats, segment_bytes, group=None):
                                        group)
                 times[name].append(elapsed / iterations)
             env.progress(f"{size} bytes: {index + 1}/{repeats}")
-        row = {"bytes": numel * ELEMENT_SIZE, "iterations": iterations}
+        largest = -(-numel // n)   # the first chunk's elements (chunk_bounds)
+        segments = -(-largest // segment_elements(largest, ELEMENT_SIZE, segment_bytes))
+        row = {"bytes": numel * ELEMENT_SIZE, "iterations": iterations,
+               "segments_per_step": segments if n > 1 else 0}
         for name in implementations:
             median, low, high = timing.summary(times[name])
             row[f"{name}_time_s"] = median
             row[f"{name}_time_quartiles_s"] = [low, high]
-            row[f"{name}_busbw_gbps"] = (comm_model.bus_bandwidth("all_reduce", row["bytes"], median,
-                                                                  n) / 1e9)
-        row["ring_over_library_busbw"] = row["library_time_s"] / row["ring_time_s"]
+            # a world of one moves nothing over a link: no bandwidth to report (not 0)
+            row[f"{name}_busbw_gbps"] = (comm_model.bus_bandwidth(
+                "all_reduce", row["bytes"], median, n) / 1e9 if n > 1 else None)
+        row["ring_over_library_busbw"] = (row["library_time_s"] / row["ring_time_s"]
+                                          if n > 1 else None)
         rows.append(row)
     env.progress("")
     return rows
@@ -267,6 +294,9 @@ def measure(env, args, group=None):
     n = dist.get_world_size(group)
     metrics = {"correctness": []}
     env.print0(f"ring all-reduce of float32, world size {n} ({env.backend})")
+    if n == 1:
+        metrics["note"] = ONE_RANK
+        env.print0(ONE_RANK)
     for numel in args.numel:
         check = check_correctness(env, numel, args.seed, args.segment_bytes, group)
         metrics["correctness"].append(check)
@@ -288,12 +318,15 @@ def measure(env, args, group=None):
                 for row in rows:
                     row["predicted_time_s"] = comm_model.allreduce_time(row["bytes"], n,
                                                                         alpha, beta)
-        env.print0(f"{'bytes':>12} {'ring ms':>9} {'library ms':>10} {'ring busbw':>11} "
-                   f"{'lib busbw':>10} {'ratio':>6}   (busbw in GB/s)")
+        # a world of one has times and no bandwidths (see ONE_RANK, printed above)
+        header = f"{'bytes':>12} {'ring ms':>9} {'library ms':>10}"
+        env.print0(header + (f" {'ring busbw':>11} {'lib busbw':>10} {'ratio':>6}   "
+                             f"(busbw in GB/s)" if n > 1 else ""))
         for r in rows:
-            env.print0(f"{r['bytes']:>12} {r['ring_time_s'] * 1e3:>9.3f} "
-                       f"{r['library_time_s'] * 1e3:>10.3f} {r['ring_busbw_gbps']:>11.3f} "
-                       f"{r['library_busbw_gbps']:>10.3f} {r['ring_over_library_busbw']:>6.2f}")
+            line = (f"{r['bytes']:>12} {r['ring_time_s'] * 1e3:>9.3f} "
+                    f"{r['library_time_s'] * 1e3:>10.3f}")
+            env.print0(line + (f" {r['ring_busbw_gbps']:>11.3f} {r['library_busbw_gbps']:>10.3f} "
+                               f"{r['ring_over_library_busbw']:>6.2f}" if n > 1 else ""))
         if metrics["alpha_s"] is not None:
             env.print0(f"alpha-beta fit to dist.all_reduce: alpha = "
                        f"{metrics['alpha_s'] * 1e6:.1f} us, "

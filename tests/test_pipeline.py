@@ -3,11 +3,13 @@ trained on the whole batch; the bubble, the micro-batches in flight and the byte
 against the cost models. The chapter runs p = 2 and 4 under controlled time and asserts
 the same (pipeline.md, hidden cells: every schedule at p = 4, m = 1, 2, 4 and 8, and
 GPipe and 1F1B at p = 2, m = 1 to 8, and the deadlock's one line per stage); here p = 1
-and 3, the loss-scale pitfall, the traces of --profile, and bad input."""
+and 3, the loss-scale pitfall, the traces of --profile, the device guard (p = 1 and 2),
+and bad input."""
 
 from pathlib import Path
 
 import pytest
+import torch
 
 import pipeline
 from conftest import assert_fails_with_one_line, assert_lab_metadata, assert_refused
@@ -25,6 +27,11 @@ TIMED = ["--compute-ms", COMPUTE_MS]
 RUNS = {1: ("1,4", []),
         3: ("1,3,5", [*TIMED, "--microbatch-size", "2"])}   # odd p; m that 16 does not divide
 PROFILED = 3   # the launch that also writes traces of its first m (--profile)
+# The world of one runs under the device guard (distenv.device_guard_on): anything made
+# without naming its device would be a meta tensor and fail, as it would beside a GPU's.
+# Not the timed launch: the guard's mode adds a Python call to every tensor operation.
+GUARD = {"LABS_DEVICE_GUARD": "1"}
+GUARDED = 1
 
 
 @pytest.fixture(scope="module", params=sorted(RUNS))
@@ -37,7 +44,8 @@ def result(request, tmp_path_factory):
     if p == PROFILED:
         options = [*options, "--profile", tmp_path_factory.mktemp("pipeline-profile")]
     return run_lab("pipeline", None if p == 1 else p, [
-        "--schedule", schedules, "--microbatches", microbatches, *options], echo=False)
+        "--schedule", schedules, "--microbatches", microbatches, *options],
+        env=GUARD if p == GUARDED else None, echo=False)
 
 
 @ALONE
@@ -85,7 +93,6 @@ def test_torch_schedules_run_where_torch_allows_them(result):
         assert "torch_gpipe" in ran and (p == 1 or "torch_interleaved" in set(ran) | refused)
 
 
-@ALONE
 @ALONE
 @pytest.mark.parametrize("result", [PROFILED], indirect=True)
 def test_each_stage_s_trace_holds_its_sends_and_receives(result):
@@ -149,6 +156,73 @@ def test_the_bubble_under_controlled_time_follows_the_prediction_with_the_handof
             lowest, highest = pipeline.bubble_bounds(r)
             assert lowest <= r["bubble_fraction"] <= highest, (m, name, r["bubble_fraction"],
                                                                  lowest, highest)
+
+
+@pytest.mark.parametrize("result", [GUARDED], indirect=True)
+def test_one_process_runs_every_schedule_under_the_device_guard(result):
+    # the same checks as unguarded (the tests above, on this very result): built where
+    # they run, the model and every tensor of the step are the CPU's, none the default's
+    assert result["device_guard"] is True and result["device"] == "cpu"
+    assert {"gpipe", "1f1b", "torch_gpipe", "torch_1f1b"} <= set(result["schedules"])
+
+
+def test_two_stages_run_every_schedule_under_the_device_guard():
+    """Two stages, every schedule, under the device guard: the sends' and receives' buffers,
+    torch's stages and the handoff probe are all made on the run's device, and the results
+    are those of an unguarded run (each exactly as predicted, or within 1e-5 of one
+    process)."""
+    result = run_lab("pipeline", 2, ["--microbatches", 2, "--steps", 2], env=GUARD,
+                     echo=False)
+    assert result["device_guard"] is True and result["backend"] == "gloo"
+    ran = result["schedules"]
+    assert set(ran) == set(pipeline.SCHEDULES), ran
+    for name, r in ran.items():
+        assert r["max_param_diff"] <= 1e-5, name
+        assert r["peak_microbatches_in_flight"] == r["predicted_peak_microbatches_in_flight"]
+        assert r["p2p_bytes_per_rank"] == r["predicted_p2p_bytes_per_rank"], name
+    assert len(result["handoff_latency_samples_s"]) == pipeline.HANDOFF_ROUNDS
+
+
+class FakeWork:
+    """A work as NCCL's behaves: wait() returns at once (it only orders the stream), and
+    is_completed() turns true after `polls` calls; wait(timeout) on an unfinished one
+    raises, as torch's does once the timeout has passed (`raises=False`: as an old torch)."""
+
+    def __init__(self, polls, raises=True):
+        self.polls, self.raises, self.waits = polls, raises, []
+
+    def is_completed(self):
+        self.polls -= 1
+        return self.polls < 0
+
+    def wait(self, timeout=None):
+        self.waits.append(timeout)
+        if timeout is not None and self.polls >= 0 and self.raises:
+            raise RuntimeError("timed out in blocking wait")
+
+
+def test_a_wait_on_nccl_returns_when_the_message_is_in_or_gives_up():
+    """wait_for_work on a CUDA device: it asks is_completed() until the work is done, not
+    trusting wait() (a stream wait on NCCL), then calls wait() once, with the timeout if
+    there is one; past the timeout it hands over to torch's own timed wait, and raises
+    even where an older torch would return."""
+    import datetime
+    from labkit.runtime.timing import wait_for_work
+    cuda = torch.device("cuda", 0)   # only its type is read: no GPU needed
+    work = FakeWork(polls=1000)
+    wait_for_work(work, cuda)
+    assert work.polls == -1 and work.waits == [None]
+    work = FakeWork(polls=3)
+    wait_for_work(work, cuda, timeout_s=5)
+    assert work.polls == -1 and work.waits == [datetime.timedelta(seconds=5)]
+    for raises in (True, False):
+        work = FakeWork(polls=10 ** 12, raises=raises)
+        with pytest.raises(RuntimeError):
+            wait_for_work(work, cuda, timeout_s=0.01)
+        assert work.waits == [datetime.timedelta(seconds=0.01)]
+    work = FakeWork(polls=10 ** 12)   # on the CPU (gloo): wait() itself blocks, as before
+    wait_for_work(work, torch.device("cpu"))
+    assert work.waits == [None] and work.polls == 10 ** 12
 
 
 def test_schedule_orders_run_every_op_once_forward_first():

@@ -13,11 +13,13 @@ and the GPipe and 1F1B schedules run with point-to-point sends.
                    forward and gradients back with isend/recv
 
 Both are timed over the same span: the work of one op (the loss included, on the last
-stage), not the wait for its input nor the sending of its output.
+stage), not the wait for its input nor the sending of its output. Every wait for a
+message, in run_schedule, in torch's schedules and in the handoff probe, is made by
+labkit.runtime.timing.wait_for_work, which returns when the message is in on gloo and
+NCCL alike.
 """
 
 import contextlib
-import datetime
 import time
 
 import torch
@@ -27,6 +29,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..predict.memory_model import stage_layers
 from ..predict.time_model import schedule_order   # written once, where the model reads it too
+from ..runtime.timing import wait_for_work
 
 
 def split_pieces(model, pieces):
@@ -66,7 +69,8 @@ class OpClock:
         # included) and what the op queued.
         # Only this stream's work: a device-wide synchronize would also wait for a pending
         # NCCL send, which ends when the neighbour receives it.
-        cuda = device is not None and torch.device(device).type == "cuda"
+        self.device = torch.device("cpu" if device is None else device)
+        cuda = self.device.type == "cuda"
         self.synchronize = ((lambda: torch.cuda.current_stream(device).synchronize()) if cuda
                             else (lambda: None))
         self.reset()
@@ -96,24 +100,26 @@ class OpClock:
         self.events.append((kind, microbatch, piece, start, time.perf_counter(), wait))
 
 
-def timed_torch_stage(clock):
+def timed_torch_stage(clock, timeout_s=0.0):
     """torch's PipelineStage, with every forward and backward of a micro-batch timed (and
     padded) by `clock`: the same span as run_schedule times, the work of one op without
     the wait for its input or the sending of its output. The schedules' waits for their
     messages are timed too (the clock's last wait before an op; patched into torch's
-    schedules module, in the lab's own process)."""
+    schedules module, in the lab's own process), made as run_schedule makes its own
+    (wait_for_work, each within `timeout_s`; 0: no limit)."""
     from torch.distributed.pipelining import PipelineStage, schedules
 
-    # torch's schedules wait for their sends and receives in one function: timing it tells
-    # the clock when a stage waited for its next op's input, as run_schedule does itself
-    untimed_wait = getattr(schedules._wait_batch_p2p, "untimed", schedules._wait_batch_p2p)
-
-    def timed_wait(work):
+    # torch's schedules wait for their sends and receives in one function, a work.wait()
+    # each: on NCCL that only makes the stream wait, and the time spent waiting would fall
+    # into the next op's synchronize, where the prediction counts it as the op's own.
+    # Waiting as run_schedule does tells the clock when a stage waited for its next op's
+    # input, on every backend.
+    def timed_wait(works):
         start = time.perf_counter()
-        untimed_wait(work)
+        for work in works:
+            wait_for_work(work, clock.device, timeout_s)
         clock.waited(start, time.perf_counter())
 
-    timed_wait.untimed = untimed_wait
     schedules._wait_batch_p2p = timed_wait
 
     class TimedStage(PipelineStage):
@@ -128,11 +134,11 @@ def timed_torch_stage(clock):
     return TimedStage
 
 
-def _wait_for(handle, what, source, stage, timeout_s):
-    """Wait for a receive; a peer that never sends fails it after timeout_s with one line.
-    An explicit timeout makes NCCL block the CPU too (not only the stream), as gloo does."""
+def _wait_for(handle, what, source, stage, timeout_s, device):
+    """Wait for a receive (wait_for_work); a peer that never sends fails it after
+    timeout_s with one line."""
     try:
-        handle.wait(timeout=datetime.timedelta(seconds=timeout_s)) if timeout_s else handle.wait()
+        wait_for_work(handle, device, timeout_s)
     except RuntimeError as error:   # gloo and NCCL raise when the wait times out
         raise TimeoutError(f"stage {stage} waited {timeout_s:g} s for {what} from rank "
                            f"{source} and gave up: the schedule is deadlocked") from error
@@ -187,7 +193,7 @@ def run_schedule(piece, order, stage, stages, inputs, targets, loss_fn, *, clock
         buffer = torch.empty(shape, device=device)
         handle = post((buffer, source))
         start = time.perf_counter()
-        _wait_for(handle, what, source, stage, timeout_s)
+        _wait_for(handle, what, source, stage, timeout_s, device)
         if key is not None:
             waited[key] = (start, time.perf_counter())
         return buffer
@@ -236,7 +242,8 @@ class _Scale(nn.Module):
         return x * self.weight
 
 
-def handoff_samples(stage, stages, shape, device, rounds, pause_s, group=None, ranks=None):
+def handoff_samples(stage, stages, shape, device, rounds, pause_s, group=None, ranks=None,
+                    timeout_s=0.0):
     """One-way handoffs between neighbouring stages, in seconds, one sample per round:
     a ping-pong through the whole pipeline, made of the schedule's own calls. Each round
     runs one micro-batch of an activation's `shape` down all the stages and its gradient
@@ -244,12 +251,16 @@ def handoff_samples(stage, stages, shape, device, rounds, pause_s, group=None, r
     twice that, as the ops of a controlled-time schedule do: a rank then waits as long as
     it would in a step, and a process that has waited wakes more slowly than one in a
     tight loop. The round's time less its ops' is 2(p - 1) handoffs: each a message, its
-    posting, and the wake-up of the rank waiting for it. `ranks` [global rank of each
-    stage] (None: stage = rank). Every rank calls it and gets every sample."""
+    posting, and the wake-up of the rank waiting for it: its receives wait as the
+    schedules' do (wait_for_work, within `timeout_s`), so the samples hold the same
+    wake-up. `ranks` [global rank of each stage] (None: stage = rank). Every rank calls
+    it and gets every sample."""
     if stages == 1:
         return []
     ranks = ranks or list(range(stages))
-    clock, piece = OpClock(pause_s, device=device), _Scale().to(device)
+    with torch.device(device):   # made where it runs (nothing is moved from the host)
+        piece = _Scale()
+    clock = OpClock(pause_s, device=device)
     inputs = [torch.zeros(shape, device=device)]
     samples = []
     for round_ in range(rounds + 1):   # the first round sets the pairs up: not kept
@@ -260,7 +271,8 @@ def handoff_samples(stage, stages, shape, device, rounds, pause_s, group=None, r
                      inputs, [None], lambda y, _: y.sum(), clock=clock,
                      prev_rank=ranks[stage - 1] if stage else None,
                      next_rank=ranks[stage + 1] if stage < stages - 1 else None,
-                     activation_shape=shape, device=device)
+                     activation_shape=shape, device=device, timeout_s=timeout_s,
+                     group=group)
         if device.type == "cuda":   # the round ends when its last send has
             torch.cuda.synchronize(device)
         mine = torch.tensor([time.perf_counter() - start,

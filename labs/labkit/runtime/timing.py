@@ -1,8 +1,11 @@
 """Timing a distributed operation honestly: every rank starts together (barrier), the GPU
 is synchronised before the clock is read, the slowest rank's time counts, and repeats are
 summarised by their median and quartiles (the first runs, which set things up, are dropped
-by the caller as warm-up)."""
+by the caller as warm-up). A wait for one message (wait_for_work) returns when the message
+is in, on NCCL as on gloo, so the clock read around it times the wait."""
 
+import datetime
+import math
 import statistics
 import time
 
@@ -60,3 +63,34 @@ def compute_times(model, optimizer, loss_fn, inputs, targets, device, repeats, w
             if index >= warmup:
                 phases[name].append(elapsed)
     return {name: statistics.median(times) for name, times in phases.items()}
+
+
+def wait_for_work(work, device, timeout_s=0.0):
+    """Return when `work` (a send or receive) is done, within `timeout_s` (0: no limit),
+    with the CPU blocked until then on every backend: the one way the lab waits for a
+    message, so that the time around this call is the time the message took.
+
+    gloo: work.wait() blocks the thread until the message is in (a condition variable).
+    NCCL: work.wait() only makes the current stream wait for NCCL's and returns at once
+    (WorkNCCL::wait: synchronize() is ncclEndEvent_->block(currentStream)); with a timeout
+    it then polls isCompleted() with a sleep of kSynchronizeBusyWaitMillis (1 ms in the
+    newest source, 10 ms in older ones, where only TORCH_NCCL_BLOCKING_WAIT=1 made it
+    poll at all), so a blocked receive returns up to a sleep late. Here the thread asks
+    is_completed() (a cudaEventQuery of NCCL's end event) without sleeping: it wakes
+    within microseconds, as current_stream().synchronize() after wait() would, but unlike
+    a synchronize it can give up after `timeout_s`. Then work.wait() orders the current
+    stream after the work (already done) and raises its error if it failed."""
+    if timeout_s:
+        limit = datetime.timedelta(seconds=timeout_s)
+    if torch.device(device).type == "cuda":
+        deadline = time.perf_counter() + (timeout_s or math.inf)
+        while not work.is_completed():
+            if time.perf_counter() > deadline:
+                # past its timeout, torch's own wait aborts the communicator and raises;
+                # an older torch returns instead (it polls only under TORCH_NCCL_BLOCKING_WAIT)
+                work.wait(timeout=limit)
+                raise RuntimeError(f"not done within {timeout_s:g} s")
+    if timeout_s:
+        work.wait(timeout=limit)
+    else:
+        work.wait()
