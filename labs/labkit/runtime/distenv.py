@@ -388,10 +388,14 @@ def measure_with_sub_worlds(env, sizes, measure, check=None):
 
 
 def bound_device(backend, device):
-    """init_process_group's device_id on NCCL, where this torch has it (2.3 and newer): the
-    communicator is created at once on this GPU, and each new_group is split from it
-    (ncclCommSplit) instead of bootstrapping a communicator of its own on first use."""
-    if backend != "nccl" or "device_id" not in inspect.signature(
+    """init_process_group's device_id on NCCL, from torch 2.10: the communicator is created
+    at once on this GPU, and each new_group is split from it (ncclCommSplit) instead of
+    bootstrapping a communicator of its own on first use. torch has device_id since 2.3,
+    but until 2.9 split_group shared the parent group's NCCL options with every split,
+    so each DeviceMesh dimension overwrote the world group's timeout and members
+    (pytorch#167125, fixed in 2.10): on those versions groups are created lazily, as before."""
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    if backend != "nccl" or (major, minor) < (2, 10) or "device_id" not in inspect.signature(
             dist.init_process_group).parameters:
         return {}
     return {"device_id": device}
@@ -442,8 +446,8 @@ def try_variant(env, name, measure, group=None, local=False):
     (a kernel that refuses a dtype, an API this torch lacks): the lab records why and goes
     on with its other variants instead of losing them all.
 
-    Every rank of `group` agrees (one all_gather_object): a variant that failed on one rank
-    is not run on all. `local=True`: measure() runs on this rank alone (rank 0's products),
+    Every rank of `group` (default: env.group, the lab's world or its --sub-worlds group)
+    agrees (one all_gather_object): a variant that failed on one rank is not run on all. `local=True`: measure() runs on this rank alone (rank 0's products),
     and nothing is exchanged. Bad input (LabInputError) and a broken process group
     (torch.distributed.DistError: a peer gone, a collective timed out) still end the lab:
     after them no collective can be trusted. A variant that fails on one rank between two
@@ -460,6 +464,7 @@ def try_variant(env, name, measure, group=None, local=False):
         error = f"{type(failure).__name__}: {lines[0] if lines else ''}".strip(": ")
         result = None
     if not local:
+        group = group if group is not None else env.group   # a --sub-worlds group's ranks
         errors = [None] * dist.get_world_size(group)
         dist.all_gather_object(errors, error, group=group)
         failed = [(r, e) for r, e in enumerate(errors) if e is not None]
