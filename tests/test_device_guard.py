@@ -32,6 +32,7 @@ SMALLEST = {
     "expert_parallel": (None, ["--steps", 1, "--balance-steps", 2]),
     "zero_libraries": (None, ["--library", "deepspeed-zero3", "--steps", 1]),
     "hang": (2, ["--mode", "none", "--timeout", 20]),
+    "low_communication": (2, ["--steps", 2, "--sync-every", 1, "--slow-ns-per-byte", 0]),
 }
 GUARDED_ELSEWHERE = ("memory", "pipeline", "precision", "ring_allreduce")
 

@@ -15,6 +15,8 @@ the chapters, the tests and the sizing page.
                  (labs/trace.py is its command line)
   trace_page     the trace page's entry point: the reader's traces per step, the planner's
                  step beside them
+  low_communication_model  sending less: the bytes a step sends under compression (bf16,
+                 PowerSGD) and fewer syncs (local SGD, DiLoCo, Streaming DiLoCo), and its time
   hardware       the GPU node the book's extrapolations assume, with its sources
   planner        the planner of five dimensions (labs/plan.py is its command line)
   sizing         the sizing page's entry point: a form's fields in, the planner's answer out

@@ -10,7 +10,10 @@ c10d ops) or torch issues it inside DTensor, FSDP2 or a backward pass (the funct
 collectives), so one mode counts them all, forward and backward alike.
 """
 
+import time
+
 import torch
+from torch._C._distributed_c10d import Work
 from torch.distributed import ProcessGroup
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -86,10 +89,45 @@ class CountCollectives(TorchDispatchMode):
                 counter = self.counter
                 if self.by_group:
                     counter = self.by_group.get(_group_name(func, args), counter)
+                before = counter.sent
                 if nbytes is None:
                     counter.add_sent(op, _alltoall_sent(args))
                 else:
                     counter.add_bytes(op, nbytes(args))
+                self.before_issue(counter.sent - before)
             elif name not in ("wait_tensor", "_wrap_tensor_autograd", "barrier"):
                 raise NotImplementedError(f"cannot count the collective {func}")
         return func(*args, **(kwargs or {}))
+
+    def before_issue(self, sent_bytes):
+        """Called with the bytes this rank is about to send in a collective, before it is
+        issued (SlowLink waits here)."""
+
+
+class SlowLink(CountCollectives):
+    """CountCollectives on a link slowed on purpose: before each collective is issued, the
+    thread that issues it sleeps ns_per_byte for every byte this rank sends in it (the
+    ring's bytes), and the collective completes before that thread goes on. Nothing
+    overlaps: a link whose transfers hold up the work that issued them, one after another.
+    ns_per_byte = 0 only counts.
+
+    Completing each collective at once also keeps the count whole: a communication hook
+    such as torch's PowerSGD issues its next all-reduce in a callback of the last one's
+    future, which would otherwise run on the backend's own thread, where no mode is
+    active; on a completed future the callback runs here."""
+
+    def __init__(self, counter, ns_per_byte, by_group=None):
+        super().__init__(counter, by_group)
+        self.ns_per_byte = ns_per_byte
+
+    def before_issue(self, sent_bytes):
+        if self.ns_per_byte > 0 and sent_bytes > 0:
+            time.sleep(float(sent_bytes) * self.ns_per_byte * 1e-9)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if func.namespace == "c10d" and isinstance(out, tuple) and out:
+            work = out[-1]
+            if isinstance(work, torch.ScriptObject):
+                Work.unbox(work).wait()
+        return out

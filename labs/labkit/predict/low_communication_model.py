@@ -1,0 +1,164 @@
+"""Sending less: what a rank sends per step when it compresses its gradients or synchronises
+less often, and what a step then costs on a link of a given speed.
+
+  ddp               every step, the fp32 gradients all-reduced: 4 bytes a value
+  bf16              every step, the gradients cast to bf16 and all-reduced: 2 bytes a value
+  powersgd          torch's powerSGD_hook at rank r (Vogels et al. 2019): each gradient seen
+                    as an n x m matrix (n its first dimension) is compressed when
+                    (n + m) r x min_compression_rate < n m, into P (n x r) and Q (m x r),
+                    each all-reduced in fp32; the rest (the biases, the small matrices)
+                    all-reduced as they are. The first `start_iter` steps all-reduce
+                    everything (torch needs 2 or more with error feedback or warm start).
+  local_sgd         each rank steps alone; every H steps the parameters are averaged: one
+                    fp32 all-reduce of all of them
+  diloco            H steps of an inner optimizer, then the pseudo-gradient (the parameters
+                    at the last sync minus now) all-reduced in fp32, and an outer step
+                    (Douillard et al. 2023): the same bytes as local SGD
+  streaming_diloco  the model cut into P fragments, fragment p synced every H steps, the
+                    fragments' syncs spread evenly over the H steps (Douillard et al. 2025):
+                    on average the bytes of DiLoCo, at most a fragment's at once
+
+All bytes are those of the ring algorithm (comm_model.bytes_sent_per_rank): 2(N-1)/N of what
+is all-reduced. Torch-free: the labs, the chapter and the tests call the same functions.
+"""
+
+from fractions import Fraction
+
+from . import comm_model
+
+METHODS = ("ddp", "bf16", "powersgd", "local_sgd", "diloco", "streaming_diloco")
+SYNCS_EVERY_STEP = ("ddp", "bf16", "powersgd")
+POWERSGD_MIN_COMPRESSION_RATE = 2   # torch's PowerSGDState default
+POWERSGD_START_ITER = 2             # the fewest torch allows with error feedback
+
+
+def powersgd_split(shapes, rank, min_compression_rate=POWERSGD_MIN_COMPRESSION_RATE):
+    """(values sent as they are, values of the P factors, values of the Q factors) of one
+    PowerSGD step over gradients of these shapes, as torch's powerSGD_hook splits them:
+    each viewed as (shape[0], rest), its rank capped by min(n, m), compressed only where
+    that saves more than min_compression_rate times."""
+    uncompressed = p_values = q_values = 0
+    for shape in shapes:
+        n = shape[0] if shape else 1
+        m = 1
+        for d in shape[1:]:
+            m *= d
+        r = min(n, m, rank)
+        if (n + m) * r * min_compression_rate < n * m:
+            p_values += n * r
+            q_values += m * r
+        else:
+            uncompressed += n * m
+    return uncompressed, p_values, q_values
+
+
+def fragments_of(layers, fragments):
+    """[(first layer, end)] of each fragment: the layers cut into `fragments` contiguous runs,
+    the first ones one layer longer where they do not divide (the embedding goes with the
+    first fragment, the head with the last)."""
+    if not 1 <= fragments <= layers:
+        raise ValueError(f"{fragments} fragments of {layers} layers: each needs a layer")
+    base, extra = divmod(layers, fragments)
+    bounds, start = [], 0
+    for f in range(fragments):
+        end = start + base + (f < extra)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def fragment_sync_step(fragment, fragments, sync_every):
+    """The step (0-based, within each period of `sync_every`) at which `fragment` syncs:
+    fragment p at p H / P (rounded down), so the syncs spread over the period and the last
+    fragment's lands at H - H/P, not on the others'."""
+    return (fragment * sync_every) // fragments
+
+
+def values_all_reduced(method, step, shapes, sync_every=1, rank=1, fragment_values=None,
+                       start_iter=POWERSGD_START_ITER):
+    """[(values, bytes per value)] of every all-reduce a rank makes at training step `step`
+    (0-based). `shapes`: the parameters' shapes; `fragment_values`: the values of each
+    fragment (streaming DiLoCo)."""
+    total = sum(_numel(s) for s in shapes)
+    if method == "ddp":
+        return [(total, 4)]
+    if method == "bf16":
+        return [(total, 2)]
+    if method == "powersgd":
+        if step < start_iter:
+            return [(total, 4)]
+        return [(values, 4) for values in powersgd_split(shapes, rank)]
+    if method in ("local_sgd", "diloco"):
+        return [(total, 4)] if (step + 1) % sync_every == 0 else []
+    if method == "streaming_diloco":
+        fragments = len(fragment_values)
+        return [(values, 4) for p, values in enumerate(fragment_values)
+                if step % sync_every == (fragment_sync_step(p, fragments, sync_every)
+                                         + sync_every - 1) % sync_every]
+    raise ValueError(f"unknown method {method!r}: one of {', '.join(METHODS)}")
+
+
+def bytes_sent_per_rank(method, steps, shapes, world_size, **options):
+    """Bytes a rank sends over `steps` steps (an exact Fraction), all-reduce by all-reduce."""
+    sent = Fraction(0)
+    for step in range(steps):
+        for values, value_bytes in values_all_reduced(method, step, shapes, **options):
+            sent += comm_model.bytes_sent_per_rank("all_reduce", Fraction(values * value_bytes),
+                                                   world_size)
+    return sent
+
+
+def peak_bytes_per_sync(method, shapes, world_size, **options):
+    """The most bytes a rank sends in any one step: what the link must carry at once."""
+    period = options.get("sync_every", 1)
+    start = POWERSGD_START_ITER if method == "powersgd" else 0
+    return max(sum(comm_model.bytes_sent_per_rank("all_reduce", Fraction(v * b), world_size)
+                   for v, b in values_all_reduced(method, step, shapes, **options))
+               for step in range(start, start + period))
+
+
+def powersgd_flops(shapes, rank, min_compression_rate=POWERSGD_MIN_COMPRESSION_RATE):
+    """Multiply-adds x 2 that PowerSGD adds per step: P = M Q, Q = M^T P and the
+    decompression P Q^T, each n m r, for every compressed n x m matrix (the
+    orthogonalisation of P, O(n r^2), left out)."""
+    flops = 0
+    for shape in shapes:
+        n = shape[0] if shape else 1
+        m = _numel(shape) // n if shape else 1
+        r = min(n, m, rank)
+        if (n + m) * r * min_compression_rate < n * m:
+            flops += 3 * 2 * n * m * r
+    return flops
+
+
+def step_time(method, compute_s, steps, shapes, world_size, alpha_s, beta_bytes_per_s,
+              extra_compute_s=0.0, first_step=0, **options):
+    """Mean seconds a step takes over steps first_step .. steps - 1: its computation, what
+    the method adds to it, and each all-reduce's alpha + bytes sent / beta, with no overlap
+    (the lab's slowed link waits before each collective). alpha and beta as fitted on the
+    same link."""
+    comm = 0.0
+    for step in range(first_step, steps):
+        for values, value_bytes in values_all_reduced(method, step, shapes, **options):
+            sent = comm_model.bytes_sent_per_rank("all_reduce", values * value_bytes, world_size)
+            comm += alpha_s + sent / beta_bytes_per_s
+    return compute_s + extra_compute_s + comm / (steps - first_step)
+
+
+def crossover_bandwidth(bytes_a, seconds_a, bytes_b, seconds_b):
+    """The link bandwidth (bytes/s) below which method b, sending bytes_b per step and
+    computing seconds_b more, beats method a: where s_a + B_a/beta = s_b + B_b/beta.
+    None where b never wins (it sends no fewer bytes) or always does (it costs no more)."""
+    saved_bytes, extra_s = bytes_a - bytes_b, seconds_b - seconds_a
+    if saved_bytes <= 0:
+        return None
+    if extra_s <= 0:
+        return float("inf")
+    return saved_bytes / extra_s
+
+
+def _numel(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -1,0 +1,408 @@
+"""Talking less: the same model trained with DDP, with compressed gradients (bf16, PowerSGD)
+and with fewer synchronisations (local SGD, DiLoCo, Streaming DiLoCo), on the same batches;
+every byte counted against the cost model, the loss after the same tokens, and the step
+time on the plain link and on one slowed on purpose.
+
+  ddp               torch's DDP, AdamW: the reference
+  bf16              DDP with a hook that all-reduces the gradients cast to bf16 (torch's own
+                    bf16_compress_hook refuses gloo: this one is five lines)
+  powersgd          DDP with torch's powerSGD_hook at --powersgd-rank, error feedback on
+  local_sgd         AdamW alone on each rank; every --sync-every steps the parameters averaged
+  diloco            AdamW alone for --sync-every steps (the inner steps), then the pseudo-
+                    gradient averaged and an outer Nesterov SGD step (Douillard et al. 2023)
+  streaming_diloco  DiLoCo by --fragments fragments of the layers, each synced every
+                    --sync-every steps at its own offset (Douillard et al. 2025)
+
+Then two checks: DiLoCo with one inner step of SGD and an outer SGD of rate 1 without
+momentum is DDP with SGD (their parameters differ by fp32 rounding at most), and PowerSGD
+without error feedback (its loss against the one with it).
+
+The slowed link (--slow-ns-per-byte): before each collective the issuing thread sleeps that
+long for every byte the rank sends (labkit.runtime.collectives.SlowLink), so the time a
+method saves is the bytes it does not send. The predicted step time is the same run's
+step without communication, plus each all-reduce's alpha + bytes / beta, alpha and beta
+fitted on the same link in the same launch (labkit/predict/low_communication_model.py).
+
+Launch lines (from the repository root):
+  laptop, gloo on CPU:  torchrun --standalone --nproc_per_node=2 labs/low_communication.py \\
+                          --out lowcomm.json
+  one method:           torchrun --standalone --nproc_per_node=3 labs/low_communication.py \\
+                          --method diloco --sync-every 8
+  GPU box, NCCL:        torchrun --standalone --nproc_per_node=8 labs/low_communication.py \\
+                          --steps 64 --slow-ns-per-byte 0 --out lowcomm8.json
+  two nodes (run on each, HOST = node 0's address):
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
+             --rdzv-id=lowcomm labs/low_communication.py --steps 64 --out lowcomm16.json
+
+JSON: `methods` {name: {bytes_sent_per_rank_per_step (its all-reduces'),
+predicted_bytes_sent_per_rank_per_step, other_bytes_sent_per_rank (DDP's one broadcast of
+its bucket order), peak_bytes_per_step, loss_curve, final_loss, step_time_s {plain, slowed},
+predicted_step_time_s {plain, slowed}, max_param_diff_vs_ddp} or {not_run}}; `link`
+{alpha_s, beta_bytes_per_s, slowed_beta_bytes_per_s}; `compute_step_s`; `checks`
+{diloco_h1_max_param_diff_vs_ddp, powersgd_no_error_feedback_final_loss}; `shape`,
+`param_count`, `steps`, `sync_every`, `fragments`, `powersgd_rank`.
+"""
+
+import copy
+import dataclasses
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+from labkit.model.transformer import Shape, Transformer, next_token_loss
+from labkit.parallel.strategies import apply_ddp, rank_batch
+from labkit.predict import comm_model
+from labkit.predict import low_communication_model as model
+from labkit.runtime import distenv
+from labkit.runtime.collectives import SlowLink
+
+SHAPE = Shape(layers=4, hidden=64, heads=4, seq=32, vocab=256)
+BATCH = 4                   # sequences per rank per step
+STEPS = 16
+SYNC_EVERY = 4              # H: inner steps between syncs
+FRAGMENTS = 2               # P: streaming DiLoCo's fragments
+POWERSGD_RANK = 2
+INNER_LR = 3e-3             # AdamW, every method's (DiLoCo's inner) optimizer
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9   # DiLoCo's outer Nesterov SGD (the paper's values)
+SLOW_NS_PER_BYTE = 20.0     # the slowed link: 50 MB/s a rank
+FIT_SIZES = (2**14, 2**18, 2**20)      # bytes all-reduced to fit alpha and beta
+
+
+class DDPMethod:
+    """DDP with AdamW, and an optional communication hook."""
+
+    def __init__(self, initial, env, hook=None, state=None):
+        # the model's only buffers are its causal masks, the same on every rank: nothing
+        # to broadcast each step (a model with norm statistics would need them synced)
+        self.model = apply_ddp(copy.deepcopy(initial), env.device, hook, state,
+                               broadcast_buffers=False)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=INNER_LR)
+
+    def step(self, step, ids, targets):
+        loss = next_token_loss(self.model(ids), targets)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def parameters(self):
+        return list(self.model.module.parameters())
+
+
+def bf16_hook(group, bucket):
+    """The bucket's gradients all-reduced in bf16, then back in fp32: half DDP's bytes."""
+    gradients = bucket.buffer()
+    compressed = gradients.to(torch.bfloat16).div_(dist.get_world_size(group))
+    future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+    return future.then(lambda f: gradients.copy_(f.value()[0]))
+
+
+class LocalSteps:
+    """Each rank steps alone with an inner optimizer; `sync(step)` says which fragments
+    (lists of parameters) to synchronise after that step. outer=None averages the
+    parameters (local SGD); else the pseudo-gradient is averaged and the outer optimizer
+    steps from the parameters of the last sync (DiLoCo)."""
+
+    def __init__(self, initial, inner, fragments, syncs, outer=None):
+        self.module = copy.deepcopy(initial)
+        self.inner = inner(self.module.parameters())
+        self.fragments, self.syncs = fragments(self.module), syncs
+        self.outer = outer
+        if outer is not None:   # the parameters of the last sync, one outer optimizer each
+            self.anchors = [[p.detach().clone() for p in f] for f in self.fragments]
+            self.outers = [outer(anchor) for anchor in self.anchors]
+
+    def step(self, step, ids, targets):
+        loss = next_token_loss(self.module(ids), targets)
+        loss.backward()
+        self.inner.step()
+        self.inner.zero_grad(set_to_none=True)
+        for f in self.syncs(step):
+            self.sync(f)
+        return loss
+
+    @torch.no_grad()
+    def sync(self, f):
+        world = dist.get_world_size()
+        params = self.fragments[f]
+        if self.outer is None:   # local SGD: the average of the ranks' parameters
+            flat = torch.cat([p.reshape(-1) for p in params]).div_(world)
+            dist.all_reduce(flat)
+            _unflatten(flat, params)
+            return
+        anchor = self.anchors[f]
+        # the pseudo-gradient: where the rank started minus where its inner steps took it
+        flat = torch.cat([(a - p).reshape(-1) for a, p in zip(anchor, params)]).div_(world)
+        dist.all_reduce(flat)
+        for a, g in zip(anchor, _split(flat, anchor)):
+            a.grad = g
+        self.outers[f].step()   # moves the anchor: the new shared parameters
+        self.outers[f].zero_grad(set_to_none=True)
+        for p, a in zip(params, anchor):
+            p.copy_(a)
+
+    def parameters(self):
+        return list(self.module.parameters())
+
+
+def _split(flat, like):
+    out, start = [], 0
+    for t in like:
+        out.append(flat[start:start + t.numel()].view_as(t))
+        start += t.numel()
+    return out
+
+
+def _unflatten(flat, params):
+    for p, part in zip(params, _split(flat, params)):
+        p.copy_(part)
+
+
+def layer_fragments(count):
+    """The model's parameters in `count` fragments of its layers (fragments_of): the
+    embedding with the first, the head with the last."""
+    def fragments(module):
+        bounds = model.fragments_of(len(module.blocks), count)
+        out = []
+        for i, (start, end) in enumerate(bounds):
+            units = list(module.blocks[start:end])
+            if i == 0:
+                units.insert(0, module.embed)
+            if i == len(bounds) - 1:
+                units.append(module.head)
+            out.append([p for unit in units for p in unit.parameters()])
+        return out
+    return fragments
+
+
+def build(name, initial, env, args, error_feedback=True):
+    """The method's trainer."""
+    adamw = lambda params: torch.optim.AdamW(params, lr=INNER_LR)   # noqa: E731
+    nesterov = lambda params: torch.optim.SGD(params, lr=OUTER_LR, momentum=OUTER_MOMENTUM,  # noqa: E731
+                                              nesterov=True)
+    every, h = (lambda step: [0] if (step + 1) % args.sync_every == 0 else []), args.sync_every
+    if name == "ddp":
+        return DDPMethod(initial, env)
+    if name == "bf16":
+        return DDPMethod(initial, env, bf16_hook, dist.group.WORLD)
+    if name == "powersgd":
+        state = powersgd.PowerSGDState(
+            process_group=None, matrix_approximation_rank=args.powersgd_rank,
+            start_powerSGD_iter=model.POWERSGD_START_ITER, use_error_feedback=error_feedback,
+            warm_start=error_feedback, random_seed=args.seed)
+        return DDPMethod(initial, env, powersgd.powerSGD_hook, state)
+    if name == "local_sgd":
+        return LocalSteps(initial, adamw, layer_fragments(1), every)
+    if name == "diloco":
+        return LocalSteps(initial, adamw, layer_fragments(1), every, nesterov)
+    if name == "streaming_diloco":
+        p = args.fragments
+        due = [(model.fragment_sync_step(f, p, h) + h - 1) % h for f in range(p)]
+        return LocalSteps(initial, adamw, layer_fragments(p),
+                          lambda step: [f for f in range(p) if step % h == due[f]], nesterov)
+    raise ValueError(name)
+
+
+class SentByOp(comm_model.CollectiveCounter):
+    """A CollectiveCounter that keeps the bytes sent by each op apart: the gradients' and
+    parameters' all-reduces are what the methods differ in; DDP also broadcasts rank 0's
+    bucket order once, after its first step (its bucket rebuild), a few hundred bytes."""
+
+    def reset(self):
+        super().reset()
+        self.by_op = {}
+
+    def add_bytes(self, op, nbytes):
+        before = self.sent
+        super().add_bytes(op, nbytes)
+        self.by_op[op] = self.by_op.get(op, 0) + (self.sent - before)
+
+
+def train(trainer, args, env, ns_per_byte):
+    """(losses, seconds of each step, bytes this rank sent by op) over --steps steps."""
+    counter = SentByOp(env.world_size)
+    losses, times = [], []
+    with SlowLink(counter, ns_per_byte):
+        for step in range(args.steps):
+            ids, targets = rank_batch(SHAPE, args.batch, args.seed, step, env.rank, env.device)
+            dist.barrier()   # every rank starts the step together: times are the step's own
+            start = time.perf_counter()
+            loss = trainer.step(step, ids, targets)
+            if env.device.type == "cuda":
+                torch.cuda.synchronize(env.device)
+            times.append(time.perf_counter() - start)
+            losses.append(loss.detach())
+    mean_loss = torch.stack(losses)
+    dist.all_reduce(mean_loss)
+    return (mean_loss / env.world_size).tolist(), times, counter.by_op
+
+
+def fit_link(env, ns_per_byte):
+    """alpha (s) and beta (bytes/s) of an all-reduce on this link: median times at a few
+    sizes, least squares of time against the bytes a rank sends."""
+    points = []
+    with SlowLink(comm_model.CollectiveCounter(env.world_size), ns_per_byte):
+        for size in FIT_SIZES:
+            tensor = torch.zeros(size // 4, device=env.device)
+            samples = []
+            for _ in range(5):
+                dist.barrier()
+                start = time.perf_counter()
+                dist.all_reduce(tensor)
+                if env.device.type == "cuda":
+                    torch.cuda.synchronize(env.device)
+                samples.append(time.perf_counter() - start)
+            sent = comm_model.bytes_sent_per_rank("all_reduce", size, env.world_size)
+            points.append((sent, statistics.median(samples)))
+    if env.world_size == 1:
+        return 0.0, float("inf")
+    # every rank uses rank 0's fit: one link, one model
+    xs, ys = zip(*points)
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    fit = torch.tensor([max(my - slope * mx, 0.0), slope], dtype=torch.float64,
+                       device=env.device)
+    dist.broadcast(fit, 0)
+    alpha, per_byte = fit.tolist()
+    return alpha, (1 / per_byte if per_byte > 0 else float("inf"))
+
+
+def run_method(name, initial, args, env, links, compute_s):
+    shapes = [tuple(p.shape) for p in initial.parameters()]
+    options = dict(sync_every=args.sync_every, rank=args.powersgd_rank,
+                   fragment_values=[sum(p.numel() for p in f)
+                                    for f in layer_fragments(args.fragments)(initial)])
+    result = {"step_time_s": {}, "predicted_step_time_s": {}}
+    for link, (ns, alpha, beta) in links.items():
+        losses, times, sent = train(build(name, initial, env, args), args, env, ns)
+        # the mean over every step but the first (lazy set-up), syncs included: a median
+        # would miss the one step in H that syncs
+        result["step_time_s"][link] = statistics.fmean(times[1:])
+        result["predicted_step_time_s"][link] = model.step_time(
+            name, compute_s, args.steps, shapes, env.world_size, alpha, beta, first_step=1,
+            **options)
+    predicted = model.bytes_sent_per_rank(name, args.steps, shapes, env.world_size, **options)
+    result.update({
+        "bytes_sent_per_rank_per_step": float(sent.get("all_reduce", 0) / args.steps),
+        "other_bytes_sent_per_rank": {op: float(b) for op, b in sent.items()
+                                      if op != "all_reduce"},
+        "predicted_bytes_sent_per_rank_per_step": float(predicted / args.steps),
+        "peak_bytes_per_step": float(model.peak_bytes_per_sync(name, shapes, env.world_size,
+                                                               **options)),
+        "loss_curve": losses, "final_loss": losses[-1]})
+    return result
+
+
+def compute_only(initial, args, env):
+    """Median seconds of a step with no communication at all: one rank's AdamW step."""
+    trainer = LocalSteps(initial, lambda p: torch.optim.AdamW(p, lr=INNER_LR),
+                         layer_fragments(1), lambda step: [])
+    return statistics.median(train(trainer, args, env, 0.0)[1][1:])
+
+
+def diloco_h1_check(initial, args, env):
+    """DiLoCo with one inner SGD step and an outer SGD of rate 1, no momentum, against DDP
+    with the same SGD: the largest parameter difference after --steps steps."""
+    sgd = lambda params: torch.optim.SGD(params, lr=0.1)   # noqa: E731
+    outer = lambda params: torch.optim.SGD(params, lr=1.0)   # noqa: E731
+    diloco = LocalSteps(initial, sgd, layer_fragments(1), lambda step: [0], outer)
+    ddp = DDPMethod(initial, env)
+    ddp.optimizer = sgd(ddp.model.parameters())
+    for trainer in (diloco, ddp):
+        train(trainer, args, env, 0.0)
+    return distenv.max_param_diff(diloco.parameters(), ddp.parameters(), env.device)
+
+
+def run(args, env):
+    torch.manual_seed(args.seed)
+    initial = Transformer(SHAPE, device=env.device)
+    plain, slowed = fit_link(env, 0.0), fit_link(env, args.slow_ns_per_byte)
+    links = {"plain": (0.0, *plain), "slowed": (args.slow_ns_per_byte, *slowed)}
+    compute_s = compute_only(initial, args, env)
+    methods, trained = {}, {}
+    for name in args.method:
+        methods[name] = distenv.try_variant(
+            env, name, lambda: run_method(name, initial, args, env, links, compute_s))
+    # parameters against DDP's: each method once more on the plain link, its end state kept
+    reference = build("ddp", initial, env, args)
+    train(reference, args, env, 0.0)
+    for name, result in methods.items():
+        if "not_run" in result:
+            continue
+        trainer = build(name, initial, env, args)
+        train(trainer, args, env, 0.0)
+        result["max_param_diff_vs_ddp"] = distenv.max_param_diff(
+            trainer.parameters(), reference.parameters(), env.device)
+        env.print0(f"{name:>17}: {result['bytes_sent_per_rank_per_step']:>12,.0f} B/step "
+                   f"(predicted {result['predicted_bytes_sent_per_rank_per_step']:,.0f}), "
+                   f"loss {result['final_loss']:.4f}, step {result['step_time_s']['plain'] * 1e3:.1f}"
+                   f" / {result['step_time_s']['slowed'] * 1e3:.1f} ms plain / slowed "
+                   f"(predicted {result['predicted_step_time_s']['plain'] * 1e3:.1f} / "
+                   f"{result['predicted_step_time_s']['slowed'] * 1e3:.1f})")
+    no_feedback, _, _ = train(build("powersgd", initial, env, args, error_feedback=False),
+                              args, env, 0.0)
+    checks = {"diloco_h1_max_param_diff_vs_ddp": diloco_h1_check(initial, args, env),
+              "powersgd_no_error_feedback_final_loss": no_feedback[-1]}
+    env.print0(f"DiLoCo, H = 1, SGD inside and outer SGD of rate 1: max |p - DDP| "
+               f"{checks['diloco_h1_max_param_diff_vs_ddp']:.1e}; PowerSGD without error "
+               f"feedback ends at loss {checks['powersgd_no_error_feedback_final_loss']:.4f}")
+    return {"methods": methods, "checks": checks, "compute_step_s": compute_s,
+            "link": {"alpha_s": plain[0], "beta_bytes_per_s": plain[1],
+                     "slowed_alpha_s": slowed[0], "slowed_beta_bytes_per_s": slowed[1]},
+            "shape": dataclasses.asdict(SHAPE), "batch": args.batch,
+            "param_count": sum(p.numel() for p in initial.parameters()),
+            "steps": args.steps, "sync_every": args.sync_every, "fragments": args.fragments,
+            "powersgd_rank": args.powersgd_rank}
+
+
+def check(args):
+    """Refuse in one line what cannot work, before any process group forms."""
+    if args.fragments > SHAPE.layers:
+        distenv.fail(f"--fragments {args.fragments} is more than the model's {SHAPE.layers} "
+                     f"layers: each fragment needs one")
+    smallest = min(SHAPE.hidden, SHAPE.vocab, SHAPE.seq)
+    if args.powersgd_rank > smallest:
+        distenv.fail(f"--powersgd-rank {args.powersgd_rank} is above the smaller side of "
+                     f"the model's matrices ({smallest})")
+    if args.steps < 2:
+        distenv.fail(f"--steps {args.steps}: at least 2 (the first step's time is set-up)")
+    if args.sync_every > args.steps:
+        distenv.fail(f"--sync-every {args.sync_every} is more than --steps {args.steps}: "
+                     f"nothing would ever sync")
+
+
+def parse_args(argv=None):
+    parser = distenv.lab_parser(__doc__)
+    parser.add_argument("--method", type=distenv.choice_list(model.METHODS),
+                        default=list(model.METHODS),
+                        help=f"comma-separated, from {', '.join(model.METHODS)}; or all")
+    parser.add_argument("--steps", type=distenv.positive_int, default=STEPS)
+    parser.add_argument("--batch", type=distenv.positive_int, default=BATCH,
+                        help="sequences per rank per step")
+    parser.add_argument("--sync-every", type=distenv.positive_int, default=SYNC_EVERY,
+                        help="H: inner steps between syncs (local SGD, DiLoCo)")
+    parser.add_argument("--fragments", type=distenv.positive_int, default=FRAGMENTS,
+                        help="P: streaming DiLoCo's fragments of the layers")
+    parser.add_argument("--powersgd-rank", type=distenv.positive_int, default=POWERSGD_RANK,
+                        help="r: PowerSGD's rank")
+    parser.add_argument("--slow-ns-per-byte", type=distenv.number_above(0, inclusive=True),
+                        default=SLOW_NS_PER_BYTE,
+                        help="the slowed link: a wait of this many ns per byte sent")
+    args = parser.parse_args(argv)
+    check(args)
+    return args
+
+
+def main():
+    args = parse_args()
+    with distenv.initialize(args) as env:
+        env.print0(f"talking less: {env.world_size} ranks ({env.backend}), {args.steps} steps,"
+                   f" H = {args.sync_every}, P = {args.fragments}, r = {args.powersgd_rank}")
+        env.write_result(args, run(args, env))
+
+
+if __name__ == "__main__":
+    main()
