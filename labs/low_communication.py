@@ -36,7 +36,7 @@ Launch lines (from the repository root):
 
 JSON: `methods` {name: {bytes_sent_per_rank_per_step (its all-reduces'),
 predicted_bytes_sent_per_rank_per_step, other_bytes_sent_per_rank (DDP's one broadcast of
-its bucket order), peak_bytes_per_step, loss_curve, final_loss, step_time_s {plain, slowed},
+its bucket order), peak_bytes_per_step, predicted_extra_compute_s (PowerSGD's products), loss_curve, final_loss, step_time_s {plain, slowed},
 predicted_step_time_s {plain, slowed}, max_param_diff_vs_ddp} or {not_run}}; `link`
 {alpha_s, beta_bytes_per_s, slowed_beta_bytes_per_s}; `compute_step_s`; `checks`
 {diloco_h1_max_param_diff_vs_ddp, powersgd_no_error_feedback_final_loss}; `shape`,
@@ -53,7 +53,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
 from labkit.model.transformer import Shape, Transformer, next_token_loss
-from labkit.parallel.strategies import apply_ddp, rank_batch
+from labkit.parallel.strategies import apply_ddp
 from labkit.predict import comm_model
 from labkit.predict import low_communication_model as model
 from labkit.runtime import distenv
@@ -61,7 +61,7 @@ from labkit.runtime.collectives import SlowLink
 
 SHAPE = Shape(layers=4, hidden=64, heads=4, seq=32, vocab=256)
 BATCH = 4                   # sequences per rank per step
-STEPS = 16
+STEPS = 24
 SYNC_EVERY = 4              # H: inner steps between syncs
 FRAGMENTS = 2               # P: streaming DiLoCo's fragments
 POWERSGD_RANK = 2
@@ -69,6 +69,18 @@ INNER_LR = 3e-3             # AdamW, every method's (DiLoCo's inner) optimizer
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9   # DiLoCo's outer Nesterov SGD (the paper's values)
 SLOW_NS_PER_BYTE = 20.0     # the slowed link: 50 MB/s a rank
 FIT_SIZES = (2**14, 2**18, 2**20)      # bytes all-reduced to fit alpha and beta
+
+
+def pattern_batch(args, step, rank, device):
+    """Rank `rank`'s batch at `step`: sequences that count up from a random start by a
+    random stride (mod the vocabulary), so the next token follows from the last two and the
+    loss falls within a few dozen steps (random tokens would teach nothing to compare)."""
+    g = distenv.generator(args.seed, "pattern", step, rank)
+    start = torch.randint(SHAPE.vocab, (args.batch, 1), generator=g, device="cpu")
+    stride = torch.randint(1, 8, (args.batch, 1), generator=g, device="cpu")
+    ids = (start + stride * torch.arange(SHAPE.seq + 1, device="cpu")) % SHAPE.vocab
+    ids = ids.to(device)
+    return ids[:, :-1], ids[:, 1:]
 
 
 class DDPMethod:
@@ -227,7 +239,7 @@ def train(trainer, args, env, ns_per_byte):
     losses, times = [], []
     with SlowLink(counter, ns_per_byte):
         for step in range(args.steps):
-            ids, targets = rank_batch(SHAPE, args.batch, args.seed, step, env.rank, env.device)
+            ids, targets = pattern_batch(args, step, env.rank, env.device)
             dist.barrier()   # every rank starts the step together: times are the step's own
             start = time.perf_counter()
             loss = trainer.step(step, ids, targets)
@@ -270,20 +282,33 @@ def fit_link(env, ns_per_byte):
     return alpha, (1 / per_byte if per_byte > 0 else float("inf"))
 
 
-def run_method(name, initial, args, env, links, compute_s):
+def run_method(name, initial, args, env, links, compute_s, reference):
+    """The method trained on each link from the same start; its bytes, losses, times, and
+    its parameters against DDP's (`reference`, trained on the same batches)."""
     shapes = [tuple(p.shape) for p in initial.parameters()]
     options = dict(sync_every=args.sync_every, rank=args.powersgd_rank,
                    fragment_values=[sum(p.numel() for p in f)
                                     for f in layer_fragments(args.fragments)(initial)])
-    result = {"step_time_s": {}, "predicted_step_time_s": {}}
+    # PowerSGD's products at the rate this run's own training step reaches (6 FLOPs per
+    # parameter per token): its thin rank-r products run slower per FLOP, so it is a floor
+    flops_per_s = 6 * sum(p.numel() for p in initial.parameters()) * args.batch * SHAPE.seq \
+        / compute_s
+    extra_compute_s = (model.powersgd_flops(shapes, args.powersgd_rank) / flops_per_s
+                       if name == "powersgd" else 0.0)
+    result = {"step_time_s": {}, "predicted_step_time_s": {},
+              "predicted_extra_compute_s": extra_compute_s}
     for link, (ns, alpha, beta) in links.items():
-        losses, times, sent = train(build(name, initial, env, args), args, env, ns)
+        trainer = build(name, initial, env, args)
+        losses, times, sent = train(trainer, args, env, ns)
+        if link == "plain":   # the link changes when a step ends, not what it computes
+            result["max_param_diff_vs_ddp"] = distenv.max_param_diff(
+                trainer.parameters(), reference.parameters(), env.device)
         # the mean over every step but the first (lazy set-up), syncs included: a median
         # would miss the one step in H that syncs
         result["step_time_s"][link] = statistics.fmean(times[1:])
         result["predicted_step_time_s"][link] = model.step_time(
-            name, compute_s, args.steps, shapes, env.world_size, alpha, beta, first_step=1,
-            **options)
+            name, compute_s, args.steps, shapes, env.world_size, alpha, beta,
+            extra_compute_s=extra_compute_s, first_step=1, **options)
     predicted = model.bytes_sent_per_rank(name, args.steps, shapes, env.world_size, **options)
     result.update({
         "bytes_sent_per_rank_per_step": float(sent.get("all_reduce", 0) / args.steps),
@@ -322,24 +347,19 @@ def run(args, env):
     plain, slowed = fit_link(env, 0.0), fit_link(env, args.slow_ns_per_byte)
     links = {"plain": (0.0, *plain), "slowed": (args.slow_ns_per_byte, *slowed)}
     compute_s = compute_only(initial, args, env)
-    methods, trained = {}, {}
-    for name in args.method:
-        methods[name] = distenv.try_variant(
-            env, name, lambda: run_method(name, initial, args, env, links, compute_s))
-    # parameters against DDP's: each method once more on the plain link, its end state kept
-    reference = build("ddp", initial, env, args)
+    reference = build("ddp", initial, env, args)   # DDP on the plain link
     train(reference, args, env, 0.0)
-    for name, result in methods.items():
+    methods = {}
+    for name in args.method:
+        result = methods[name] = distenv.try_variant(
+            env, name, lambda: run_method(name, initial, args, env, links, compute_s, reference))
         if "not_run" in result:
             continue
-        trainer = build(name, initial, env, args)
-        train(trainer, args, env, 0.0)
-        result["max_param_diff_vs_ddp"] = distenv.max_param_diff(
-            trainer.parameters(), reference.parameters(), env.device)
         env.print0(f"{name:>17}: {result['bytes_sent_per_rank_per_step']:>12,.0f} B/step "
                    f"(predicted {result['predicted_bytes_sent_per_rank_per_step']:,.0f}), "
-                   f"loss {result['final_loss']:.4f}, step {result['step_time_s']['plain'] * 1e3:.1f}"
-                   f" / {result['step_time_s']['slowed'] * 1e3:.1f} ms plain / slowed "
+                   f"loss {result['final_loss']:.4f}, step "
+                   f"{result['step_time_s']['plain'] * 1e3:.1f} / "
+                   f"{result['step_time_s']['slowed'] * 1e3:.1f} ms plain / slowed "
                    f"(predicted {result['predicted_step_time_s']['plain'] * 1e3:.1f} / "
                    f"{result['predicted_step_time_s']['slowed'] * 1e3:.1f})")
     no_feedback, _, _ = train(build("powersgd", initial, env, args, error_feedback=False),
