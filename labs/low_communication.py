@@ -40,7 +40,8 @@ its bucket order), peak_bytes_per_step, predicted_extra_compute_s (PowerSGD's pr
 predicted_step_time_s {plain, slowed}, max_param_diff_vs_ddp} or {not_run}}; `link`
 {alpha_s, beta_bytes_per_s, slowed_beta_bytes_per_s}; `compute_step_s`; `checks`
 {diloco_h1_max_param_diff_vs_ddp, powersgd_no_error_feedback_final_loss}; `shape`,
-`param_count`, `steps`, `sync_every`, `fragments`, `powersgd_rank`.
+`param_count`, `steps`, `sync_every`, `fragments`, `powersgd_rank`, `inner_lr`, `outer_lr`,
+`outer_momentum`. The slowed link times two periods of --sync-every steps.
 """
 
 import copy
@@ -61,7 +62,7 @@ from labkit.runtime.collectives import SlowLink
 
 SHAPE = Shape(layers=4, hidden=64, heads=4, seq=32, vocab=256)
 BATCH = 4                   # sequences per rank per step
-STEPS = 24
+STEPS = 16
 SYNC_EVERY = 4              # H: inner steps between syncs
 FRAGMENTS = 2               # P: streaming DiLoCo's fragments
 POWERSGD_RANK = 2
@@ -69,6 +70,7 @@ INNER_LR = 3e-3             # AdamW, every method's (DiLoCo's inner) optimizer
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9   # DiLoCo's outer Nesterov SGD (the paper's values)
 SLOW_NS_PER_BYTE = 20.0     # the slowed link: 50 MB/s a rank
 FIT_SIZES = (2**14, 2**18, 2**20)      # bytes all-reduced to fit alpha and beta
+CHECK_STEPS = 6             # steps of the two checks (DiLoCo as DDP, PowerSGD without feedback)
 
 
 def pattern_batch(args, step, rank, device):
@@ -233,12 +235,13 @@ class SentByOp(comm_model.CollectiveCounter):
         self.by_op[op] = self.by_op.get(op, 0) + (self.sent - before)
 
 
-def train(trainer, args, env, ns_per_byte):
-    """(losses, seconds of each step, bytes this rank sent by op) over --steps steps."""
+def train(trainer, args, env, ns_per_byte, steps=None):
+    """(losses, seconds of each step, bytes this rank sent by op) over `steps` steps
+    (default --steps)."""
     counter = SentByOp(env.world_size)
     losses, times = [], []
     with SlowLink(counter, ns_per_byte):
-        for step in range(args.steps):
+        for step in range(steps or args.steps):
             ids, targets = pattern_batch(args, step, env.rank, env.device)
             dist.barrier()   # every rank starts the step together: times are the step's own
             start = time.perf_counter()
@@ -298,16 +301,20 @@ def run_method(name, initial, args, env, links, compute_s, reference):
     result = {"step_time_s": {}, "predicted_step_time_s": {},
               "predicted_extra_compute_s": extra_compute_s}
     for link, (ns, alpha, beta) in links.items():
+        # the plain link trains all --steps steps (the losses, the bytes, the parameters);
+        # the slowed one only times: two periods of H steps, two syncs of every fragment
+        steps = args.steps if link == "plain" else min(args.steps, 2 * args.sync_every)
         trainer = build(name, initial, env, args)
-        losses, times, sent = train(trainer, args, env, ns)
+        step_losses, times, step_sent = train(trainer, args, env, ns, steps)
         if link == "plain":   # the link changes when a step ends, not what it computes
+            losses, sent = step_losses, step_sent
             result["max_param_diff_vs_ddp"] = distenv.max_param_diff(
                 trainer.parameters(), reference.parameters(), env.device)
         # the mean over every step but the first (lazy set-up), syncs included: a median
         # would miss the one step in H that syncs
         result["step_time_s"][link] = statistics.fmean(times[1:])
         result["predicted_step_time_s"][link] = model.step_time(
-            name, compute_s, args.steps, shapes, env.world_size, alpha, beta,
+            name, compute_s, steps, shapes, env.world_size, alpha, beta,
             extra_compute_s=extra_compute_s, first_step=1, **options)
     predicted = model.bytes_sent_per_rank(name, args.steps, shapes, env.world_size, **options)
     result.update({
@@ -325,7 +332,7 @@ def compute_only(initial, args, env):
     """Median seconds of a step with no communication at all: one rank's AdamW step."""
     trainer = LocalSteps(initial, lambda p: torch.optim.AdamW(p, lr=INNER_LR),
                          layer_fragments(1), lambda step: [])
-    return statistics.median(train(trainer, args, env, 0.0)[1][1:])
+    return statistics.median(train(trainer, args, env, 0.0, min(args.steps, 8))[1][1:])
 
 
 def diloco_h1_check(initial, args, env):
@@ -337,7 +344,7 @@ def diloco_h1_check(initial, args, env):
     ddp = DDPMethod(initial, env)
     ddp.optimizer = sgd(ddp.model.parameters())
     for trainer in (diloco, ddp):
-        train(trainer, args, env, 0.0)
+        train(trainer, args, env, 0.0, min(args.steps, CHECK_STEPS))
     return distenv.max_param_diff(diloco.parameters(), ddp.parameters(), env.device)
 
 
@@ -363,7 +370,7 @@ def run(args, env):
                    f"(predicted {result['predicted_step_time_s']['plain'] * 1e3:.1f} / "
                    f"{result['predicted_step_time_s']['slowed'] * 1e3:.1f})")
     no_feedback, _, _ = train(build("powersgd", initial, env, args, error_feedback=False),
-                              args, env, 0.0)
+                              args, env, 0.0)   # all --steps: its loss beside powersgd's
     checks = {"diloco_h1_max_param_diff_vs_ddp": diloco_h1_check(initial, args, env),
               "powersgd_no_error_feedback_final_loss": no_feedback[-1]}
     env.print0(f"DiLoCo, H = 1, SGD inside and outer SGD of rate 1: max |p - DDP| "
@@ -375,7 +382,8 @@ def run(args, env):
             "shape": dataclasses.asdict(SHAPE), "batch": args.batch,
             "param_count": sum(p.numel() for p in initial.parameters()),
             "steps": args.steps, "sync_every": args.sync_every, "fragments": args.fragments,
-            "powersgd_rank": args.powersgd_rank}
+            "powersgd_rank": args.powersgd_rank, "inner_lr": INNER_LR, "outer_lr": OUTER_LR,
+            "outer_momentum": OUTER_MOMENTUM}
 
 
 def check(args):

@@ -1,7 +1,7 @@
 """Precision, measured: what bf16, fp16 and FP8 do to memory, to the bytes on the wire and
 to the numbers, beside what the cost models predict.
 
-Five parts, in one launch:
+Seven parts, in one launch:
   variants      the course's transformer trained --steps steps with FSDP2 (fully_shard on
                 every block, then the root; SGD with momentum) under each precision recipe:
                 fp32; bf16_autocast (fp32 weights, torch.autocast casting each op to bf16);
@@ -18,10 +18,15 @@ Five parts, in one launch:
                 torch._scaled_mm (fp32 accumulation, scales from the exact amax), scaled
                 per tensor, per row, and per block (1 x B tiles of activations and
                 gradients, B x B blocks of weights, as DeepSeek-V3 §3.3.2 cuts them, each
-                block's product accumulated in fp32), against fp32; then with one input
-                channel made --outlier times larger. On rank 0 alone.
+                block's product accumulated in fp32), against fp32, the gradient also in
+                e4m3; then on activations whose channels differ in scale, with one
+                channel --outlier times the median. On rank 0 alone.
   fp8_scale_pitfalls  a per-tensor scale from an amax of zero, an infinite amax, and a
                 stale amax below the tensor's own, each shown failing. On rank 0 alone.
+  fp8_delayed_scaling  current scaling (each tensor's own amax) against delayed scaling
+                (the largest of an amax history) before, at and after a jump in the data.
+  block_scaled  MXFP8 and NVFP4 casts (torchao's, where it loads) and a product of two
+                cast operands, against the error model.
   bf16_reduce_error   gradients all-reduced in bf16 by the first n ranks, n = 1 ... N,
                 against their exact sum: the error grows with n.
 
@@ -37,14 +42,18 @@ grads, optimizer}, rank 0's shards), comm_bytes_per_rank and predicted_comm_byte
 (one step, ring volumes), max_param_diff_vs_fp32}, or {error} where fp8_allgather cannot
 run here (torchao missing, uneven shards), or {not_run} where torchao fails otherwise};
 loss_scaling {fp16_unscaled: {zero_gradient_fraction}, fp16_scaled:
-{zero_gradient_fraction, skipped_steps, final_scale}}; fp8_gemm {tensorwise, rowwise,
-blockwise: {relative_error and predicted_relative_error ({output, input_grad}),
-relative_error_with_outlier (of the other channels' product, under the outlier's scales),
+{zero_gradient_fraction, skipped_steps, taken_steps, taken_gradients_finite, final_scale}};
+fp8_gemm {tensorwise, rowwise, blockwise: {relative_error and predicted_relative_error ({output, input_grad,
+input_grad_e4m3}), relative_error_channels and relative_error_with_outlier (of the other
+channels' product, under their own scales and under the outlier's),
 and where this box's _scaled_mm refused a product and it was emulated, emulated: true and
 emulated_because {output or input_grad: the refusal}}, or {not_run} where it failed};
 fp8_scale_pitfalls {amax_zero: {nan_fraction, nan_fraction_with_floor}, amax_infinite:
 {nan_fraction}, amax_stale: {stale_by, nan_fraction, saturated_fraction, relative_error,
-relative_error_current_amax}}; bf16_reduce_error {n: {relative_error,
+relative_error_current_amax}}; fp8_delayed_scaling {jump_by, steady_steps, amax_history_len,
+steady, jump, after: {current, delayed: {relative_error, saturated_fraction}}}; block_scaled
+{mxfp8_floor, mxfp8_rceil, nvfp4: {block, scale, bits_per_value, relative_error and
+predicted_relative_error ({cast, product})}, or {not_run}}; bf16_reduce_error {n: {relative_error,
 predicted_relative_error}}; param_count.
 """
 
@@ -69,10 +78,14 @@ LEARNING_RATE, MOMENTUM = 0.05, 0.9
 # the three parts
 VARIANTS = ("fp32", "bf16_autocast", "bf16_params", "bf16_reduce", "fp8_allgather")
 FP8_BLOCK = 128            # DeepSeek-V3's tile and block size
-OUTLIER = 100.0            # how much larger the outlier channel is
+OUTLIER = 1000.0           # the outlier channel over the median channel: LLMs' "massive
+                           # activations" are 10^3-10^4 times the median (Sun et al. 2024)
+CHANNEL_SPREAD = 1.0       # the channels' scales: exp(N(0, this)), a median of 1
 LOSS_SHRINK = 2.0 ** -24   # the loss scaled down until fp16 gradients underflow
 INIT_SCALE = 2.0 ** 46     # GradScaler's first scale: too large, on purpose
 STALE_BY = 4               # a delayed-scaling amax this many times below the tensor's own
+AMAX_HISTORY = 1024        # Transformer Engine's DelayedScaling(amax_history_len=1024)
+STEADY_STEPS, JUMP = 16, 16   # steps of N(0, 1) activations, then one JUMP times larger
 REDUCE_NUMEL = 1 << 16     # values per rank of the bf16 reduction measured at n = 1 ... N
 TORCH_FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 # (param_dtype, reduce_dtype) of FSDP2's MixedPrecisionPolicy, by variant
@@ -232,7 +245,7 @@ def fp16_run(shape, args, env, scaler):
     with torch.device(env.device):
         model = Transformer(shape)
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
-    zero_share, skipped = 0.0, 0
+    zero_share, skipped, finite = 0.0, 0, True
     for step in range(args.steps):
         ids, targets = rank_batch(shape, BATCH, args.seed, step, env.rank, env.device)
         with torch.autocast(env.device.type, dtype=torch.float16):
@@ -246,22 +259,28 @@ def fp16_run(shape, args, env, scaler):
             scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
-            skipped += scaler.get_scale() < scale   # it backed off: the step was skipped
+            backed_off = scaler.get_scale() < scale   # it backed off: the step was skipped
+            skipped += backed_off
+            if not backed_off:   # a step taken: its (unscaled) gradients must be finite
+                finite = finite and all(torch.isfinite(p.grad).all().item()
+                                        for p in model.parameters() if p.grad is not None)
         # the blocks' matrices: every value of theirs gets a gradient (an embedding's
         # rows of tokens not in the batch get none, underflow or not)
         grads = torch.cat([p.grad.flatten() for p in model.blocks.parameters()
                            if p.grad is not None and p.dim() == 2])
         zero_share = (grads == 0).float().mean().item()
         optimizer.zero_grad(set_to_none=False)
-    return zero_share, skipped
+    return zero_share, skipped, finite
 
 
 def run_loss_scaling(shape, args, env):
-    unscaled, _ = fp16_run(shape, args, env, None)
+    unscaled, _, _ = fp16_run(shape, args, env, None)
     scaler = torch.amp.GradScaler(env.device.type, init_scale=args.init_scale)
-    scaled, skipped = fp16_run(shape, args, env, scaler)
+    scaled, skipped, finite = fp16_run(shape, args, env, scaler)
     return {"fp16_unscaled": {"zero_gradient_fraction": unscaled},
             "fp16_scaled": {"zero_gradient_fraction": scaled, "skipped_steps": int(skipped),
+                            "taken_steps": args.steps - int(skipped),
+                            "taken_gradients_finite": bool(finite),
                             "final_scale": scaler.get_scale()}}
 
 
@@ -382,6 +401,88 @@ def run_scale_pitfalls(shape, args, env):
     }
 
 
+def run_delayed_scaling(shape, args, env):
+    """Current against delayed scaling, per tensor, e4m3: STEADY_STEPS activations drawn
+    from N(0, 1), then one JUMP times larger (a spike), then one back at N(0, 1).
+    Current scaling (torchao's float8, DeepSeek-V3) takes each tensor's own amax; delayed
+    scaling (Transformer Engine's DelayedScaling, its default amax_compute_algo "max")
+    takes the largest amax of the last AMAX_HISTORY steps before this one, and records
+    this one's after the cast. At each of the three moments: the relative error of the
+    cast and the share of values clipped at 448."""
+    generator = distenv.generator(args.seed, "fp8 delayed")
+    largest = precision_model.FORMATS["e4m3"].max
+    history, out = [], {}
+    for step in range(STEADY_STEPS + 2):
+        x = torch.randn(BATCH * shape.seq, 4 * shape.hidden, generator=generator,
+                        device="cpu").to(env.device)
+        if step == STEADY_STEPS:
+            x = x * JUMP
+        amax = x.abs().max()
+        moment = {STEADY_STEPS - 1: "steady", STEADY_STEPS: "jump",
+                  STEADY_STEPS + 1: "after"}.get(step)
+        if moment:
+            out[moment] = {}
+            for name, used in (("current", amax), ("delayed", max(history))):
+                out[moment][name] = {
+                    "relative_error": relative_error(cast_with_amax(x, used), x),
+                    "saturated_fraction": (x.abs() > used).float().mean().item()}
+        history = (history + [amax])[-AMAX_HISTORY:]
+    return {"jump_by": JUMP, "steady_steps": STEADY_STEPS, "amax_history_len": AMAX_HISTORY,
+            **out}
+
+
+def run_block_scaled(shape, args, env):
+    """MXFP8 and NVFP4 (precision_model.BLOCK_SCALED) as torchao 0.18 casts them
+    (MXTensor.to_mx, NVFP4Tensor.to_nvfp4, which run on CPU), read back in fp32: the cast's
+    relative error and that of the product of two cast operands (the model's second MLP
+    matrix on N(0, 1) activations, the products exact and summed in fp32, as a block-scaled
+    tensor core accumulates; torchao's fused products need a Blackwell GPU), beside the
+    model. MXFP8 twice: torchao's default scale, 2^floor(log2 amax) / 2^8 (the OCP spec's,
+    which puts a block's largest value in [256, 512) and clips what passes 448), and RCEIL,
+    the smallest power of two that keeps the block within 448 (cuBLAS's). Each a variant of
+    its own: torchao missing or failing says why."""
+    generator = distenv.generator(args.seed, "block scaled")
+    h = shape.hidden
+    x = torch.randn(BATCH * shape.seq, 4 * h, generator=generator, device="cpu").to(env.device)
+    w = (torch.randn(h, 4 * h, generator=generator, device="cpu") / (4 * h) ** 0.5).to(
+        env.device)
+
+    def measure(fmt, mode=None):
+        for logger in ("torchao", "torch.utils._pytree"):   # CUDA-only kernels, at import
+            logging.getLogger(logger).setLevel(logging.ERROR)
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+        from torchao.prototype.mx_formats.mx_tensor import MXTensor
+        from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
+        spec = precision_model.BLOCK_SCALED[fmt]
+        if fmt == "mxfp8":
+            def cast(t):
+                return MXTensor.to_mx(t, torch.float8_e4m3fn, block_size=spec.block,
+                                      scaling_mode=getattr(ScaleCalculationMode, mode)
+                                      ).dequantize(torch.float32)
+            a, b = x, w
+        else:   # NVFP4Tensor takes bf16: the exact values are the bf16 ones
+            a, b = x.bfloat16().float(), w.bfloat16().float()
+
+            def cast(t):
+                return NVFP4Tensor.to_nvfp4(t.bfloat16(), block_size=spec.block
+                                            ).dequantize(torch.float32)
+        # torchao's NVFP4 cast makes its constants without a device: on the input's
+        with torch.device(env.device):
+            qa, qb = cast(a), cast(b)
+        return {"block": spec.block, "scale": spec.scale,
+                "bits_per_value": spec.bits_per_value(a.numel()),
+                "relative_error": {"cast": relative_error(qa, a),
+                                   "product": relative_error(qa @ qb.t(), a @ b.t())},
+                "predicted_relative_error": {
+                    "cast": precision_model.normwise_rounding_rms(fmt),
+                    "product": precision_model.gemm_relative_error(fmt, fmt)}}
+
+    return {name: distenv.try_variant(env, name, lambda: measure(*parts), local=True)
+            for name, parts in (("mxfp8_floor", ("mxfp8", "FLOOR")),
+                                ("mxfp8_rceil", ("mxfp8", "RCEIL")),
+                                ("nvfp4", ("nvfp4",)))}
+
+
 # ---------------------------------------------------------------- gradients summed in bf16
 
 def run_reduce_error(args, env):
@@ -408,8 +509,9 @@ def run_reduce_error(args, env):
 
 def run_fp8_gemm(shape, args, env):
     """The model's second MLP matrix (input 4h, output h): forward y = x W^T and input
-    gradient dx = dy W, per granularity, against fp32; then with one input channel of x
-    made --outlier times larger, the error of what the other channels contribute (the
+    gradient dx = dy W (dy in e5m2, and in e4m3), per granularity, against fp32; then on
+    activations whose channels differ in scale (log-normal), alone and with one channel
+    --outlier times the median, the error of what the other channels contribute (the
     outlier's own term would dominate the output and hide what its scale does to them).
     Each granularity is a variant of its own (distenv.try_variant): one that fails says
     why, {"not_run": ...}, and the others keep their results. A product the kernel refuses
@@ -422,11 +524,17 @@ def run_fp8_gemm(shape, args, env):
         env.device)
     dy = (torch.randn(tokens, h, generator=generator, device="cpu") * 1e-3).to(
         env.device)   # small values
-    spiked = x.clone()
-    spiked[:, 7] *= args.outlier
+    # activations as a transformer's are: each channel at a scale of its own (log-normal,
+    # median 1), and one channel --outlier times the median, in every token
+    channel_scale = torch.exp(CHANNEL_SPREAD * torch.randn(4 * h, generator=generator,
+                                                           device="cpu")).to(env.device)
+    channels = x * channel_scale
+    spiked = channels.clone()
+    spiked[:, 7] = x[:, 7] * args.outlier
     others = torch.arange(4 * h, device=env.device) != 7
     predicted = {"output": precision_model.gemm_relative_error("e4m3", "e4m3"),
-                 "input_grad": precision_model.gemm_relative_error("e5m2", "e4m3")}
+                 "input_grad": precision_model.gemm_relative_error("e5m2", "e4m3"),
+                 "input_grad_e4m3": precision_model.gemm_relative_error("e4m3", "e4m3")}
 
     def rest(value):   # the columns of every channel but the outlier's
         return value[:, others]
@@ -435,17 +543,24 @@ def run_fp8_gemm(shape, args, env):
         out, out_emulated = fp8_matmul(x, w.t().contiguous(), "e4m3", "e4m3", granularity,
                                        args.fp8_block)
         grad, grad_emulated = fp8_matmul(dy, w, "e5m2", "e4m3", granularity, args.fp8_block)
-        # the outlier's scales, applied to the other channels: cast with the spike, then
-        # multiplied without its channel
-        cast = fp8_matmul_inputs(spiked, "e4m3", granularity, args.fp8_block)
+        # the gradient in e4m3, as torchao's rowwise recipe and DeepSeek-V3 cast it
+        grad4, grad4_emulated = fp8_matmul(dy, w, "e4m3", "e4m3", granularity, args.fp8_block)
+        # the other channels' product, cast under their own scales and under the scales
+        # the outlier sets (cast with it, then multiplied without its channel)
         wq = fp8_matmul_inputs(w, "e4m3", granularity, args.fp8_block)
+
+        def others_error(data):
+            cast = fp8_matmul_inputs(data, "e4m3", granularity, args.fp8_block)
+            return relative_error(rest(cast) @ rest(wq).t(), rest(data) @ rest(w).t())
         result = {"relative_error": {"output": relative_error(out, x @ w.t()),
-                                     "input_grad": relative_error(grad, dy @ w)},
+                                     "input_grad": relative_error(grad, dy @ w),
+                                     "input_grad_e4m3": relative_error(grad4, dy @ w)},
                   "predicted_relative_error": predicted,
-                  "relative_error_with_outlier": relative_error(
-                      rest(cast) @ rest(wq).t(), rest(spiked) @ rest(w).t())}
+                  "relative_error_channels": others_error(channels),
+                  "relative_error_with_outlier": others_error(spiked)}
         emulated = {part: why for part, why in (("output", out_emulated),
-                                                ("input_grad", grad_emulated)) if why}
+                                                ("input_grad", grad_emulated),
+                                                ("input_grad_e4m3", grad4_emulated)) if why}
         if emulated:
             result.update(emulated=True, emulated_because=emulated)
         return result
@@ -465,7 +580,7 @@ def parse_args(argv=None):
     parser.add_argument("--fp8-block", type=distenv.positive_int, default=FP8_BLOCK,
                         help="the block of block-wise FP8 scaling; must divide --hidden")
     parser.add_argument("--outlier", type=distenv.number_above(0), default=OUTLIER,
-                        help="how many times larger the outlier input channel is")
+                        help="the outlier input channel's scale over the median channel's")
     parser.add_argument("--init-scale", type=distenv.number_above(0), default=INIT_SCALE,
                         help="GradScaler's first scale")
     add_shape_args(parser, SHAPE)
@@ -490,6 +605,8 @@ def main():
         metrics = {"variants": variants, "loss_scaling": run_loss_scaling(shape, args, env),
                    "fp8_gemm": run_fp8_gemm(shape, args, env),
                    "fp8_scale_pitfalls": run_scale_pitfalls(shape, args, env),
+                   "fp8_delayed_scaling": run_delayed_scaling(shape, args, env),
+                   "block_scaled": run_block_scaled(shape, args, env),
                    "bf16_reduce_error": reduce_error, "param_count": param_count}
         for name, result in variants.items():
             if "error" in result:
@@ -518,6 +635,16 @@ def main():
                    f"amax inf -> {pitfalls['amax_infinite']['nan_fraction']:.0%} NaN; amax "
                    f"{STALE_BY}x stale -> {pitfalls['amax_stale']['saturated_fraction']:.0%} "
                    f"saturated, error {pitfalls['amax_stale']['relative_error']:.3f}")
+        jump = metrics["fp8_delayed_scaling"]["jump"]
+        env.print0(f"FP8 after a {JUMP}x jump: current scaling errs "
+                   f"{jump['current']['relative_error']:.3f}, delayed "
+                   f"{jump['delayed']['relative_error']:.3f} "
+                   f"({jump['delayed']['saturated_fraction']:.0%} clipped)")
+        for name, result in metrics["block_scaled"].items():
+            if "not_run" not in result:   # try_variant has said why
+                env.print0(f"{name:>12}: cast {result['relative_error']['cast']:.4f}, "
+                           f"product {result['relative_error']['product']:.4f} (predicted "
+                           f"{result['predicted_relative_error']['product']:.4f})")
         env.print0("bf16 all-reduce error by ranks: " + ", ".join(
             f"{n}: {r['relative_error']:.2e} (predicted {r['predicted_relative_error']:.2e})"
             for n, r in reduce_error.items()))

@@ -81,3 +81,10 @@ def test_bad_input_is_refused_in_one_line():
     assert_refused(lab.parse_args, ["--method", "gossip"], "gossip")
     done = run_script("low_communication", "--sync-every", 9, "--steps", 4)
     assert_fails_with_one_line(done, "--sync-every 9 is more than --steps 4")
+
+
+def test_the_shapes_are_the_course_transformers():
+    from labkit.model.transformer import Transformer
+    shape = lab.SHAPE
+    real = [tuple(p.shape) for p in Transformer(shape).parameters()]
+    assert model.transformer_shapes(shape.layers, shape.hidden, shape.vocab, shape.seq) == real

@@ -157,6 +157,16 @@ def crossover_bandwidth(bytes_a, seconds_a, bytes_b, seconds_b):
     return saved_bytes / extra_s
 
 
+def transformer_shapes(layers, hidden, vocab, seq):
+    """The parameter shapes of the course's transformer (labkit.model.transformer), in its
+    order: token and position embeddings; per block LayerNorm, fused QKV, projection,
+    LayerNorm, the 4h MLP (weights and biases); the final LayerNorm and an untied head."""
+    h = hidden
+    block = [(h,), (h,), (3 * h, h), (3 * h,), (h, h), (h,), (h,), (h,),
+             (4 * h, h), (4 * h,), (h, 4 * h), (h,)]
+    return [(vocab, h), (seq, h), *block * layers, (h,), (h,), (vocab, h)]
+
+
 def _numel(shape):
     n = 1
     for d in shape:

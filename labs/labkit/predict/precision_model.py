@@ -62,12 +62,52 @@ FORMATS = {f.name: f for f in (
 _BENFORD_FACTOR = math.sqrt(3 / (8 * math.log(2)) / 12)
 
 
+# FP4 (OCP MX's E2M1, an element format only): bias 1, no infinity and no NaN, so its
+# values are 0, 0.5 (its one subnormal), 1, 1.5, 2, 3, 4 and 6; half a byte.
+E2M1 = Format("e2m1", 2, 1, 6.0, 1.0, 0.5, 0.5)
+
+
+@dataclass(frozen=True)
+class BlockScaled:
+    """A block-scaled format, as Blackwell's tensor cores take it: `block` consecutive
+    values along the contraction share one scale of format `scale`, and the values are
+    stored in `element`; `tensor_scale`, one fp32 scale per tensor above the blocks'."""
+    name: str
+    element: str
+    block: int
+    scale: str
+    scale_bits: int
+    tensor_scale: bool = False
+
+    def bits_per_value(self, numel=None):
+        """Bits a tensor of `numel` values takes per value, scales included (the tensor's
+        fp32 scale needs `numel`; None leaves it out)."""
+        bits = 8 * get_format(self.element).bytes + self.scale_bits / self.block
+        return bits + (32 / numel if self.tensor_scale and numel else 0)
+
+
+# The OCP MX specification's MXFP8 (E4M3 elements, blocks of 32, an E8M0 scale: a power of
+# two) and NVIDIA's NVFP4 (E2M1 elements, blocks of 16, an E4M3 scale, and an fp32 scale
+# per tensor that keeps the blocks' scales within E4M3's range): Transformer Engine's
+# MXFP8BlockScaling and NVFP4BlockScaling recipes, torchao's MXTensor and NVFP4Tensor.
+BLOCK_SCALED = {b.name: b for b in (
+    BlockScaled("mxfp8", "e4m3", 32, "e8m0", 8),
+    BlockScaled("nvfp4", "e2m1", 16, "e4m3", 8, tensor_scale=True),
+)}
+
+
 def get_format(name):
-    """The Format called `name`, or a ValueError that lists the formats."""
+    """The Format called `name` (a block-scaled one: its elements'), or a ValueError that
+    lists the formats."""
+    if name in BLOCK_SCALED:
+        name = BLOCK_SCALED[name].element
+    if name == E2M1.name:
+        return E2M1
     try:
         return FORMATS[name]
     except KeyError:
-        raise ValueError(f"unknown format {name!r}; choose from {', '.join(FORMATS)}") from None
+        raise ValueError(f"unknown format {name!r}; choose from "
+                         f"{', '.join([*FORMATS, E2M1.name, *BLOCK_SCALED])}") from None
 
 
 def grid_spacing(name, x):
@@ -88,14 +128,55 @@ def rounding_rms(name):
     return 2.0 ** -get_format(name).mantissa_bits * _BENFORD_FACTOR
 
 
-def gemm_relative_error(input_format, weight_format=None):
+def normwise_rounding_rms(name, distribution="gaussian"):
+    """The norm-wise relative error |round(x) - x| / |x| of a tensor of many values rounded
+    to nearest in `name` (or in the element format of a block-scaled one, BLOCK_SCALED):
+    what a matrix product sees, since its terms weigh each value's error by its size. It
+    depends on the data, unlike rounding_rms: sqrt(E[spacing(x)^2] / 12 / E[x^2]).
+      "gaussian"     x ~ N(0, 1) (any scale: a power of two moves it along the grid),
+                     summed over the octaves [2^e, 2^(e+1)): about 0.213 x 2^-m;
+      "log_uniform"  x spread evenly in log2 (Benford's significands): within an octave
+                     E[s^2] = 3 / (2 ln 2), so 2^-m sqrt(ln 2 / 18), about 0.196 x 2^-m.
+    Subnormals are left out, as in rounding_rms. A block-scaled format whose scale is no
+    power of two (NVFP4's E4M3 scale) puts each block's largest value on the element's
+    largest, exactly: that value errs by nothing, which takes its share of the block's
+    squares, E[max^2] / block (gaussian_block_max_square), out of the error."""
+    m = get_format(name).mantissa_bits
+    if distribution == "log_uniform":
+        return 2.0 ** -m * math.sqrt(math.log(2) / 18)
+    if distribution != "gaussian":
+        raise ValueError(f"unknown distribution {distribution!r}; choose gaussian or "
+                         f"log_uniform")
+    # P(|x| >= t) = erfc(t / sqrt 2); the octave [2^e, 2^(e+1)) has spacing 2^(e - m)
+    mean_square_spacing = sum(4.0 ** e * (math.erfc(2.0 ** e / math.sqrt(2))
+                                          - math.erfc(2.0 ** (e + 1) / math.sqrt(2)))
+                              for e in range(-60, 8))
+    rms = 2.0 ** -m * math.sqrt(mean_square_spacing / 12)
+    block = BLOCK_SCALED.get(name)
+    if block is not None and block.scale != "e8m0":
+        rms *= math.sqrt(1 - gaussian_block_max_square(block.block) / block.block)
+    return rms
+
+
+def gaussian_block_max_square(n, steps=4000, top=12.0):
+    """E[max_i x_i^2] over n independent N(0, 1) values: the integral of
+    2 t P(max |x| > t) dt, P(max |x| <= t) = erf(t / sqrt 2)^n (midpoint rule to 12
+    standard deviations, beyond which nothing is left)."""
+    dt = top / steps
+    return sum(2 * t * (1 - math.erf(t / math.sqrt(2)) ** n) * dt
+               for t in ((i + 0.5) * dt for i in range(steps)))
+
+
+def gemm_relative_error(input_format, weight_format=None, distribution="gaussian"):
     """Relative error (RMS over the output, against the exact product) of A W^T when A was
     rounded to `input_format` and W to `weight_format` (None: W exact), the products
-    accumulated exactly (fp32 accumulation is exact by comparison). Each term a_k w_k
-    carries an independent relative error e_a + e_w, and for terms of random sign the
-    output's error adds up as its value does: sqrt(rms_a^2 + rms_w^2)."""
-    a = rounding_rms(input_format)
-    w = rounding_rms(weight_format) if weight_format is not None else 0.0
+    accumulated exactly (fp32 accumulation is exact by comparison), both of `distribution`
+    (normwise_rounding_rms). Each term a_k w_k carries an independent relative error
+    e_a + e_w, and for terms of random sign the output's error adds up as its value does:
+    sqrt(rms_a^2 + rms_w^2), each operand's norm-wise error. A block-scaled format
+    (BLOCK_SCALED) errs as its elements do, as long as its scales keep them normal."""
+    a = normwise_rounding_rms(input_format, distribution)
+    w = normwise_rounding_rms(weight_format, distribution) if weight_format is not None else 0.0
     return math.hypot(a, w)
 
 
