@@ -4,9 +4,15 @@
 // fields the reader uses before it reaches Python (labkit.predict.trace_page says which).
 "use strict";
 let answer = null;   // the Python function, once loaded
-// Past this size a browser tab usually runs out of memory parsing the JSON: refuse it with
-// one line instead (the command line, labs/trace.py, reads any size).
-const MAX_BYTES = 1.5e9;
+// The longest string V8 holds (String::kMaxLength, 2^29 - 24 characters on 64-bit; node's
+// buffer.constants.MAX_STRING_LENGTH prints it): a trace's text past it cannot be made
+// into one string to parse, in Chrome, so it is refused with one line, counted after
+// unzipping (the command line, labs/trace.py, reads any size). Firefox allows longer.
+const MAX_CHARS = 2 ** 29 - 24;
+// the args the reader reads: the launch's correlation, and a collective's own
+const ARGS = ["correlation", "Collective name", "In msg nelems", "Out msg nelems",
+  "Group size", "dtype", "Process Group Name", "Process Group Description",
+  "Process Group Ranks"];
 
 function progress(text) { postMessage({ type: "progress", text }); }
 
@@ -37,12 +43,29 @@ answer
 `);
 }
 
+function tooLong(name, bytes) {
+  return new Error(`${name}: ${(bytes / 2 ** 20).toFixed(0)} MiB of JSON is more than a ` +
+    "browser can hold as one string (512 MiB); run python labs/trace.py analyze on it instead");
+}
+
 async function textOf(file) {
   const head = new Uint8Array(await file.slice(0, 2).arrayBuffer());
   if (head[0] === 0x1f && head[1] === 0x8b) {   // gzip: torch's tensorboard_trace_handler
-    const stream = file.stream().pipeThrough(new DecompressionStream("gzip"));
-    return await new Response(stream).text();
+    // unzipped chunk by chunk, so that a small .gz that unzips past the limit is refused
+    // by its unzipped size, before the browser fails to make it a string
+    const reader = file.stream().pipeThrough(new DecompressionStream("gzip")).getReader();
+    const chunks = [];
+    let bytes = 0;
+    for (;;) {
+      const { done, value } = await reader.read();
+      if (done) break;
+      bytes += value.length;
+      if (bytes > MAX_CHARS) { await reader.cancel(); throw tooLong(file.name, bytes); }
+      chunks.push(value);
+    }
+    return await new Blob(chunks).text();
   }
+  if (file.size > MAX_CHARS) throw tooLong(file.name, file.size);
   return await file.text();
 }
 
@@ -60,21 +83,27 @@ function slim(text) {
   for (const e of events) {
     if (!e || e.ph !== "X") continue;
     const k = { ph: "X", name: e.name, cat: e.cat, ts: e.ts, dur: e.dur, pid: e.pid, tid: e.tid };
-    if (e.args && e.args.correlation !== undefined) k.args = { correlation: e.args.correlation };
+    if (e.args) {
+      for (const key of ARGS) {
+        if (e.args[key] !== undefined) (k.args = k.args || {})[key] = e.args[key];
+      }
+    }
     kept.push(k);
   }
-  return JSON.stringify({ traceEvents: kept, distributedInfo: trace.distributedInfo || {} });
+  return JSON.stringify({ traceEvents: kept, distributedInfo: trace.distributedInfo || {},
+                          baseTimeNanoseconds: trace.baseTimeNanoseconds || 0 });
 }
 
 async function analyze(files, fields) {
   const names = [], texts = [];
   for (const file of files) {
-    if (file.size > MAX_BYTES) {
-      return { error: `${file.name}: ${(file.size / 1e9).toFixed(1)} GB is more than a ` +
-        `browser tab can parse; run python labs/trace.py analyze on it instead` };
-    }
     progress(`Reading ${file.name} (${(file.size / 1e6).toFixed(1)} MB)…`);
-    const text = await textOf(file);
+    let text;
+    try {
+      text = await textOf(file);
+    } catch (error) {
+      return { error: String(error.message || error) };
+    }
     progress(`Slimming ${file.name}…`);
     names.push(file.name);
     texts.push(slim(text));

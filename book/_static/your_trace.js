@@ -39,12 +39,35 @@
     heading.textContent = "Per rank, per profiled step";
     out.appendChild(heading);
     table(out, ["rank", "kind", "steps", "step", "computing", "communicating",
-                "exposed", "overlap", "idle", "bubble", "collectives a step"],
+                "exposed", "overlap", "memory copies", "idle", "bubble", "collectives a step"],
           result.ranks.map((r) => [r.rank, r.kind, r.steps, ms(r.step_s), ms(r.compute_s),
                                    ms(r.communication_s), ms(r.exposed_communication_s),
-                                   pct(r.overlap_fraction), ms(r.idle_s), pct(r.bubble_fraction),
+                                   pct(r.overlap_fraction), ms(r.memory_copy_s), ms(r.idle_s),
+                                   pct(r.bubble_fraction),
                                    Object.entries(r.collectives_per_step)
                                      .map(([k, v]) => `${k} ${count(v)}`).join(", ") || "none"]));
+    drawTimelines(out, result.timelines);
+    const byGroup = document.createElement("h3");
+    byGroup.textContent = "Each rank's collectives, by process group";
+    out.appendChild(byGroup);
+    const rows = [];
+    result.ranks.forEach((r) => r.collective_table.forEach((c) => rows.push([
+      r.rank, c.group, c.kind, count(c.per_step), bytes(c.bytes),
+      c.median_s === null ? "–" : ms(c.median_s), gbps(c.busbw_bytes_per_s),
+      ms(r.exposed_by_group_s[c.group] || 0)])));
+    table(out, ["rank", "group", "kind", "a step", "message (median)", "duration (median)",
+                "bus bandwidth (median)", "group's exposed a step"], rows);
+    const s = result.stragglers;
+    if (s.matched) {
+      const note = document.createElement("p");
+      note.id = "trace-stragglers";
+      const by = s.by_rank;
+      note.textContent = `Across ranks, ${s.matched} collectives matched (the k-th of each ` +
+        "group on every rank). Last to arrive: " + Object.entries(by)
+          .map(([rank, b]) => `rank ${rank} ${b.last}×, others waited ${ms(b.caused_wait_s)} for it`)
+          .join("; ") + (s.straggler === null ? "." : `. The straggler: rank ${s.straggler}.`);
+      out.appendChild(note);
+    }
     const p = result.prediction;
     if (!p) return;
     const slowest = result.ranks.reduce((a, b) => (b.step_s > a.step_s ? b : a));
@@ -61,11 +84,18 @@
     out.appendChild(note);
     const bubbleTrace = slowest.bubble_fraction === null ? "–" :
       ms(slowest.bubble_fraction * slowest.step_s);
+    // each parallelism's exposed communication: the trace's from the process groups that
+    // torch's DeviceMesh names (mesh_tp, mesh_dp_shard, ...), the planner's own parts
+    const byPart = ["tp", "pp", "dp", "cp", "ep"]
+      .filter((part) => slowest.exposed_by_part_s[part] !== undefined || p.exposed_by_part_s[part] > 0)
+      .map((part) => [`… of which ${part}`, slowest.exposed_by_part_s[part] === undefined ? "–" :
+                      ms(slowest.exposed_by_part_s[part]), ms(p.exposed_by_part_s[part])]);
     table(out, ["per step", "your trace", "planner"], [
       ["step", ms(slowest.step_s), ms(p.step_s)],
       ["computing", ms(slowest.compute_s), ms(p.compute_s)],
       ["exposed communication", ms(slowest.exposed_communication_s),
        ms(p.exposed_communication_s)],
+      ...byPart,
       ["pipeline bubble", bubbleTrace, ms(p.bubble_s)],
     ]);
     const command = document.createElement("p");
@@ -73,6 +103,60 @@
     code.textContent = p.command;
     command.append("The same prediction from the command line: ", code);
     out.appendChild(command);
+  }
+
+  const bytes = (b) => (b === null || b === undefined) ? "–" :
+    b >= 2 ** 20 ? (b / 2 ** 20).toFixed(1) + " MiB" : (b / 2 ** 10).toFixed(1) + " KiB";
+  const gbps = (x) => (x === null || x === undefined) ? "–" : (x / 1e9).toFixed(1) + " GB/s";
+
+  // Each rank's profiled steps on one time axis: computing above, communicating below
+  // (red where nothing computed), memory copies beside them, as the traces chapter draws it.
+  function drawTimelines(target, timelines) {
+    if (!timelines || !timelines.length) return;
+    const ns = "http://www.w3.org/2000/svg";
+    const end = Math.max(...timelines.map((t) => t.offset_ms + Math.max(0,
+      ...["compute", "communication", "memory_copy"].flatMap((k) => t[k].map((i) => i[1])))));
+    const width = 720, row = 36, left = 56, height = row * timelines.length + 28;
+    const svg = document.createElementNS(ns, "svg");
+    svg.setAttribute("id", "trace-timeline");
+    svg.setAttribute("viewBox", `0 0 ${width} ${height}`);
+    svg.setAttribute("width", "100%");
+    svg.setAttribute("role", "img");
+    svg.setAttribute("aria-label", "Each rank's profiled steps: computing, communicating, " +
+                     "exposed communication and memory copies over time");
+    const x = (t) => left + (width - left - 8) * t / (end || 1);
+    const rect = (t, y, h, color) => {
+      const r = document.createElementNS(ns, "rect");
+      r.setAttribute("x", x(t[0]).toFixed(2));
+      r.setAttribute("width", Math.max(0.5, x(t[1]) - x(t[0])).toFixed(2));
+      r.setAttribute("y", y); r.setAttribute("height", h); r.setAttribute("fill", color);
+      svg.appendChild(r);
+    };
+    const label = (text, px, py, anchor) => {
+      const t = document.createElementNS(ns, "text");
+      t.setAttribute("x", px); t.setAttribute("y", py); t.setAttribute("font-size", "11");
+      t.setAttribute("text-anchor", anchor || "start");
+      t.textContent = text;
+      svg.appendChild(t);
+    };
+    timelines.forEach((t, i) => {
+      const y = i * row + 4, shift = (iv) => [iv[0] + t.offset_ms, iv[1] + t.offset_ms];
+      label(`rank ${t.rank}`, 0, y + 18);
+      t.compute.forEach((iv) => rect(shift(iv), y, 10, "#1f77b4"));
+      t.communication.forEach((iv) => rect(shift(iv), y + 12, 10, "#b3b3b3"));
+      t.exposed.forEach((iv) => rect(shift(iv), y + 12, 10, "#d62728"));
+      t.memory_copy.forEach((iv) => rect(shift(iv), y + 24, 6, "#2ca02c"));
+    });
+    label("0 ms", left, height - 4);
+    label(`${end.toFixed(1)} ms`, width - 8, height - 4, "end");
+    const caption = document.createElement("p");
+    caption.textContent = "Blue, computing; grey, a collective or transfer under way; red, " +
+      "the part of it during which the rank computed nothing; green, memory copies. One " +
+      "clock for all ranks (each file's baseTimeNanoseconds added): ranks on different " +
+      "hosts line up only as well as their clocks agree.";
+    const heading = document.createElement("h3");
+    heading.textContent = "The profiled steps, drawn";
+    target.append(heading, svg, caption);
   }
 
   function fields() {

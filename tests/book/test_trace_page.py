@@ -2,10 +2,14 @@
 (Debian's Chromium through its chromedriver, the built site on a free local port, a local
 Pyodide): it is handed the traces a two-rank launch of the scaling lab wrote and must show
 what labs/trace.py computes from them, the planner's step beside them, one line for a file
-that is not a trace, and stay responsive while it reads a large one in its worker."""
+that is not a trace, and stay responsive while it reads a large one in its worker; and real
+GPU traces from outside the project (tests/data/traces) with their new figures: memory
+copies, all-to-alls, the collectives by group, the timeline, the rank waited for."""
 
+import gzip
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -81,7 +85,8 @@ def test_the_lab_s_traces_read_as_the_command_line_reads_them(page, lab_traces):
         assert row[1:4] == ["cpu", str(rank["steps"]), ms(rank["step_s"])]
         assert row[6] == ms(rank["exposed_communication_s"])
         assert row[-1] == "all_reduce 2, broadcast 1"   # the buckets and the buffers, a step
-    assert len(browser.find_elements(By.CSS_SELECTOR, "#trace-results table")) == 1
+    # the ranks' table and the collectives by group; the planner's only with a model named
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#trace-results table")) == 2
     assert "Traceback" not in browser.page_source
 
 
@@ -96,7 +101,7 @@ def test_the_planner_s_step_stands_beside_the_trace(page, lab_traces):
         element.send_keys(fields[name])
     assert hand_over(browser, lab_traces) == "done"
     predicted = trace_page.prediction(fields)
-    shown = dict((row[0], row[1:]) for row in rows(browser, 1))
+    shown = dict((row[0], row[1:]) for row in rows(browser, 2))
     assert shown["step"][1] == ms(predicted["step_s"])
     assert shown["computing"][1] == ms(predicted["compute_s"])
     assert predicted["command"] in browser.find_element(By.ID, "trace-results").text
@@ -157,3 +162,50 @@ def test_a_large_trace_leaves_the_page_responsive(page, tmp_path):
     assert slowest < 2.0   # the main thread never blocked on the file
     expected = trace_reader.analyze(json.loads(trace.read_text()))
     assert rows(browser, 0)[0][-1] == f"all_reduce {expected['collectives']['all_reduce'] / 2:g}"
+
+
+REAL = Path(__file__).parent.parent / "data" / "traces"
+
+
+def test_real_gpu_traces_show_copies_all_to_alls_groups_and_the_timeline(page):
+    """Ranks 0 and 1 of a TorchRec job (HTA's test traces), gzipped as they are kept: the
+    page shows what trace_page.answer computes from them, draws both ranks, and names the
+    rank the other waited for."""
+    browser = page
+    paths = [REAL / f"sampled_rank-{r}.json.gz" for r in (0, 1)]
+    assert hand_over(browser, paths) == "done"
+    expected = trace_page.answer([(p.name, gzip.decompress(p.read_bytes()).decode())
+                                  for p in paths], {})
+    shown = rows(browser, 0)
+    for row, rank in zip(shown, expected["ranks"]):
+        assert row[1] == "cuda" and row[6] == ms(rank["exposed_communication_s"])
+        assert row[8] == ms(rank["memory_copy_s"]) and row[9] == ms(rank["idle_s"])
+        assert row[10] == "–"   # not a pipeline stage: its SendRecv kernels are all-to-alls
+        assert row[-1] == "all_gather 1, all_reduce 2, all_to_all 2"
+    groups = rows(browser, 1)
+    assert [row[:4] for row in groups[:3]] == [["0", "unknown", "all_gather", "1"],
+                                               ["0", "unknown", "all_reduce", "2"],
+                                               ["0", "unknown", "all_to_all", "2"]]
+    timeline = browser.find_element(By.ID, "trace-timeline")
+    drawn = sum(len(t[k]) for t in expected["timelines"]
+                for k in ("compute", "communication", "exposed", "memory_copy"))
+    assert len(timeline.find_elements(By.TAG_NAME, "rect")) == drawn
+    assert [t.text for t in timeline.find_elements(By.TAG_NAME, "text")][:2] == [
+        "rank 0", "rank 1"]
+    straggler = expected["stragglers"]["straggler"]
+    assert browser.find_element(By.ID, "trace-stragglers").text.endswith(
+        f"The straggler: rank {straggler}.")
+
+
+def test_a_trace_past_the_browser_s_longest_string_is_refused_in_one_line(page, tmp_path):
+    """A .gz of 9 kB that unzips to 600 MiB: refused by its unzipped size, past the 2^29 - 24
+    characters Chrome holds in one string, before the browser fails to make it one."""
+    path = tmp_path / "huge-rank0.json.gz"
+    with gzip.open(path, "wb", compresslevel=9) as f:
+        f.write(b'{"traceEvents": [')
+        for _ in range(600):
+            f.write(b" " * 2 ** 20)
+    assert hand_over(page, [path], timeout=300) == "error"
+    error = page.find_element(By.ID, "trace-error").text
+    assert error.startswith("huge-rank0.json.gz: ") and "more than a browser can hold" in error
+    assert "\n" not in error
