@@ -12,7 +12,9 @@ The same model is trained with torch DDP (gradient_as_bucket_view, so the gradie
 in DDP's buckets and nothing is held twice) and with FSDP2 (fully_shard on every unit,
 then the root).
 
-Measured on one step and reported beside the prediction:
+Counted on one step (from the tensors each implementation issues and holds, with the
+same chunk bounds as the prediction: a check of the schedule, not of the wire) and reported
+beside the prediction; the trained weights are the independent result:
   max_param_diff        scratch and fully_shard against DDP after --steps, all ranks
   comm_bytes_per_rank   bytes each rank sends, summed over the collectives each
                         implementation issued in one step (ring algorithms' volumes,

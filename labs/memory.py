@@ -40,7 +40,10 @@ per_gpu_checkpointed, states and activations together, for each strategy). With 
 --pp the figures are those of the fullest GPU of dp (--gpus) x pp x tp: a pipeline stage's
 share of the layers split tp ways, with the micro-batches its schedule holds at once.
 measure's JSON: `measurements`, one per (world size, strategy): [{world_size, simulated,
-strategy, measured_bytes and predicted_bytes {params, grads, optimizer, total},
+strategy, measured_bytes (counted from the registered parameters, their gradients and the
+optimizer's state) and predicted_bytes {params, grads, optimizer, total}, held_bytes (the
+same, with the parameters counted from every storage the library keeps: FSDP2's sharded
+parameters beside the gathered ones),
 layout_bytes (the same predicted from the exact shard layout: FSDP2's row chunks, ZeRO-1's
 whole-tensor partition), step_counter_bytes (Adam's step counters, not in the formulas),
 peak_cuda_bytes (the peak of CUDA memory allocated above what was allocated before the
@@ -115,6 +118,7 @@ def train_and_count(wrapped, optimizer, shape, args, env):
         ids, targets = rank_batch(shape, args.batch, args.seed, step, env.rank, env.device)
         loss = next_token_loss(wrapped(ids), targets)
         counted["params"] = distenv.local_bytes(wrapped.parameters())
+        held_params = held_param_bytes(wrapped)
         loss.backward()
         counted["grads"] = distenv.local_bytes(p.grad for p in wrapped.parameters()
                                                if p.grad is not None)
@@ -126,7 +130,31 @@ def train_and_count(wrapped, optimizer, shape, args, env):
     counted["optimizer"] = distenv.local_bytes(t for t in state if t.dim() > 0)
     counted["total"] = counted["params"] + counted["grads"] + counted["optimizer"]
     step_counters = distenv.local_bytes(t for t in state if t.dim() == 0)
-    return counted, step_counters
+    held = {**counted, "params": held_params}
+    held["total"] = held["params"] + held["grads"] + held["optimizer"]
+    return counted, held, step_counters
+
+
+def held_param_bytes(model):
+    """Bytes of parameters this rank holds, from the storages the library keeps rather than
+    from the parameters registered on the module. FSDP2 registers either the sharded or the
+    gathered parameters, but keeps each FSDPParam's sharded data all along (torch 2.13,
+    _fsdp_param.py: `_sharded_param_data`, and to_unsharded only swaps which one the module
+    sees): while a unit is gathered, it holds both."""
+    from torch.distributed.fsdp import FSDPModule
+    storages = {}
+    tensors = [distenv.local_tensor(p) for p in model.parameters()]
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                for fsdp_param in group.fsdp_params:
+                    tensors += [fsdp_param._sharded_param_data,
+                                *getattr(fsdp_param, "all_gather_outputs", [])]
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.nbytes():   # a freed all-gather output is resized to 0 bytes
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def layout_bytes(model, strategy, world_size, rank, optimizer_name):
@@ -245,7 +273,7 @@ def measure_strategy(strategy, args, env):
     param_count = sum(p.numel() for p in model.parameters())
     layout = layout_bytes(model, strategy, env.world_size, env.rank, args.optimizer)
     wrapped, optimizer = wrap(model, strategy, env, args.optimizer)
-    measured, step_counters = train_and_count(wrapped, optimizer, shape, args, env)
+    measured, held, step_counters = train_and_count(wrapped, optimizer, shape, args, env)
     predicted = memory_model.state_bytes_per_gpu(param_count, env.world_size, strategy,
                                                  args.optimizer, PRECISION)
     peak = predicted_peak = None
@@ -261,7 +289,8 @@ def measure_strategy(strategy, args, env):
             predicted["optimizer"] / state_bytes if state_bytes else 0, args.optimizer)
         predicted_peak = predicted["total"] + max(activations, temporaries)
     return {"world_size": env.world_size, "simulated": env.simulated, "strategy": strategy,
-            "measured_bytes": measured, "predicted_bytes": predicted, "layout_bytes": layout,
+            "measured_bytes": measured, "held_bytes": held,
+            "predicted_bytes": predicted, "layout_bytes": layout,
             "step_counter_bytes": step_counters,
             "peak_cuda_bytes": peak, "predicted_peak_bytes": predicted_peak}
 

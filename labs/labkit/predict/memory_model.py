@@ -309,6 +309,18 @@ def fsdp2_gathered_numel(shapes, world_size):
     return total
 
 
+def fsdp2_held_param_numel(shapes, world_size, gathered):
+    """Parameter elements rank 0 of N holds under FSDP2 (torch 2.13), from every storage it
+    keeps rather than the parameters the module shows: each parameter's padded shard of
+    ceil(d0 / N) rows (`_sharded_param_data`, kept all along) and, while its unit is
+    `gathered`, the all-gather output beside it, padded to N such shards. So a unit kept
+    gathered from forward to backward (reshard_after_forward=False, ZeRO-2's memory) costs
+    psi + psi / N where N divides every d0, not psi."""
+    shard = sum(math.ceil((shape[0] if shape else 1) / world_size)
+                * math.prod(shape[1:]) for shape in shapes)
+    return shard + (fsdp2_gathered_numel(shapes, world_size) if gathered else 0)
+
+
 def zero1_partition(numels, world_size):
     """Which rank owns each tensor under torch's ZeroRedundancyOptimizer.
 
