@@ -275,3 +275,12 @@ def test_expected_network_copies_match_a_count_of_random_routings():
     counted = comm_model.node_dispatch_rows(ids, experts, nodes, home_node=3) / tokens
     expected = float(comm_model.expected_network_copies(experts, nodes, k))
     assert counted == pytest.approx(expected, rel=0.01)
+
+
+def test_tree_is_the_double_binary_trees_2s():
+    # 2S / beta whatever N (2 ceil(log2 N) latencies): at N = 5, 6 alphas + 2S / beta
+    assert comm_model.tree_allreduce_time(1e9, 5, 1e-6, 1e9) == pytest.approx(6e-6 + 2.0)
+    # more than the ring's bandwidth term at every N > 1 (2(N-1)/N < 2)
+    for n in (2, 8, 1024):
+        assert comm_model.tree_allreduce_time(1e9, n, 0.0, 1e9) > \
+            comm_model.allreduce_time(1e9, n, 0.0, 1e9)

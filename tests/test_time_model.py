@@ -62,30 +62,69 @@ def test_shard_collective_is_half_an_allreduce():
     assert time_model.shard_collective_time(1e6, 1, alpha, beta) == 0
 
 
-def test_pipelined_hierarchical_allreduce_is_the_slower_level():
+def test_nccl_ring_is_one_flat_ring():
+    # NCCL's tuning model (src/graph/tuning.cc): 2(N-1) steps, 2(nodes-1) of them on the
+    # network; the bandwidth term at the slower of a GPU's NVLink and its node's G cards
     intra, inter = (1e-6, 100e9), (1e-5, 10e9)
-    inside = 2 * (1e-6 + 0.04)                         # 8 GB in nodes of 2, as below
-    across = 6e-5 + 0.6                                # 4 GB over 4 nodes
-    model = time_model.hierarchical_allreduce_time
-    assert model(8e9, 8, 2, intra, inter, pipelined=True) == pytest.approx(max(inside, across))
-    assert model(8e9, 8, 2, intra, inter, pipelined=True) < model(8e9, 8, 2, intra, inter)
-
-
-def test_hierarchical_allreduce_by_hand():
-    intra, inter = (1e-6, 100e9), (1e-5, 10e9)
-    model = time_model.hierarchical_allreduce_time
+    ring = time_model.nccl_ring_allreduce_time
     # inside one node: the plain ring, 2 x 3 alpha + 2 x 3/4 x S / beta
-    assert model(8e9, 4, 8, intra, inter) == pytest.approx(6e-6 + 0.12)
-    assert model(8e9, 1, 8, intra, inter) == 0
-    # 4 nodes of 2: reduce-scatter + all-gather inside (2 x (1e-6 + 4e9 / 100e9)),
-    # then an all-reduce of 4e9 bytes over 4 nodes (6e-5 + 1.5 x 4e9 / 10e9)
-    assert model(8e9, 8, 2, intra, inter) == pytest.approx(2 * (1e-6 + 0.04) + 6e-5 + 0.6)
-    # 128 nodes of 8, 8 kB: latency-bound, so the tree's 2 log2(128) = 14 alphas win over
-    # the ring's 254
-    inside = 2 * (7e-6 + 7 / 8 * 8e3 / 100e9)
-    assert model(8e3, 1024, 8, intra, inter) == pytest.approx(inside + 14e-5 + 2 * 1e3 / 10e9)
+    assert ring(8e9, 4, 8, intra, inter) == pytest.approx(6e-6 + 0.12)
+    assert ring(8e9, 1, 8, intra, inter) == 0
+    # 4 nodes of 2: 14 steps, 6 across nodes; 2 cards of 10 GB/s bound it, not NVLink
+    assert ring(8e9, 8, 2, intra, inter) == pytest.approx(2 * (4e-6 + 3e-5) + 1.75 * 8e9 / 20e9)
+    # with faster cards NVLink binds instead
+    assert ring(8e9, 8, 2, intra, (1e-5, 80e9)) == pytest.approx(2 * (4e-6 + 3e-5) + 0.14)
+    # the same ring as the all-gather and reduce-scatter model, twice
+    assert ring(8e9, 16, 4, intra, inter) == pytest.approx(
+        2 * time_model.hierarchical_shard_collective_time(8e9, 16, 4, intra, inter))
     with pytest.raises(ValueError):
-        model(1e6, 12, 8, intra, inter)
+        ring(1e6, 12, 8, intra, inter)
+
+
+def test_nccl_tree_is_a_chain_and_a_double_tree():
+    intra, inter = (1e-6, 100e9), (1e-5, 10e9)
+    tree = time_model.nccl_tree_allreduce_time
+    # one node: a chain, the ring's 2(G-1) latencies and 2S over NVLink: never faster
+    assert tree(8e9, 4, 8, intra, inter) == pytest.approx(6e-6 + 0.16)
+    assert time_model.nccl_crossover_bytes(4, 8, intra, inter) is None
+    assert tree(8e3, 4, 8, intra, inter) > time_model.nccl_ring_allreduce_time(8e3, 4, 8,
+                                                                               intra, inter)
+    # 4 nodes of 2: 2 x (1 alpha_intra + log2(4) alpha_inter); each node's 2 cards carry 2S
+    assert tree(8e9, 8, 2, intra, inter) == pytest.approx(2 * (1e-6 + 2e-5) + 2 * 8e9 / 20e9)
+    # 2 nodes: each is the root of one tree and a leaf of the other, so its cards carry S,
+    # and the tree beats the ring even at 8 GB
+    assert tree(8e9, 4, 2, intra, inter) == pytest.approx(2 * (1e-6 + 1e-5) + 8e9 / 20e9)
+    assert time_model.nccl_allreduce_time(8e9, 4, 2, intra, inter) == tree(8e9, 4, 2, intra,
+                                                                          inter)
+    # one GPU a node: no chain, the double tree alone
+    assert tree(8e9, 4, 1, intra, inter) == pytest.approx(2 * 2e-5 + 2 * 8e9 / 10e9)
+    # 128 nodes of 8, 8 kB: latency-bound, so the tree's 2 x (7 + 7) alphas win over the
+    # ring's 2 x 896 NVLink and 2 x 127 network steps
+    assert tree(8e3, 1024, 8, intra, inter) == pytest.approx(2 * (7e-6 + 7e-5) + 2 * 8e3 / 80e9)
+    assert time_model.nccl_allreduce_time(8e3, 1024, 8, intra, inter) == pytest.approx(
+        tree(8e3, 1024, 8, intra, inter))
+    assert time_model.nccl_ring_allreduce_time(8e3, 1024, 8, intra, inter) == pytest.approx(
+        2 * (896e-6 + 127e-5) + 2 * 1023 / 1024 * 8e3 / 80e9)
+
+
+def test_nccl_crossover_is_where_ring_and_tree_meet():
+    intra, inter = (1e-6, 100e9), (1e-5, 80e9)
+    crossover = time_model.nccl_crossover_bytes(1024, 8, intra, inter)
+    ring = time_model.nccl_ring_allreduce_time(crossover, 1024, 8, intra, inter)
+    tree = time_model.nccl_tree_allreduce_time(crossover, 1024, 8, intra, inter)
+    assert ring == pytest.approx(tree, rel=1e-9)
+    assert time_model.nccl_tree_allreduce_time(crossover / 2, 1024, 8, intra, inter) < \
+        time_model.nccl_ring_allreduce_time(crossover / 2, 1024, 8, intra, inter)
+    assert time_model.nccl_tree_allreduce_time(crossover * 2, 1024, 8, intra, inter) > \
+        time_model.nccl_ring_allreduce_time(crossover * 2, 1024, 8, intra, inter)
+
+
+def test_nvls_from_its_published_busbw():
+    # nccl-tests issue 212: busbw ~480 GB/s on 8 H100s, algbw ~275 GB/s: 1 GB in ~3.6 ms
+    t = time_model.nvls_allreduce_time(1e9, 8, 0.0, 480e9)
+    assert t == pytest.approx(1.75e9 / 480e9)
+    assert 1e9 / t / 1e9 == pytest.approx(274.3, abs=0.1)
+    assert time_model.nvls_allreduce_time(1e9, 1, 25e-6, 480e9) == 0
 
 
 def test_delay_counts_the_bytes_a_rank_sends():
@@ -188,3 +227,60 @@ def test_a_schedule_whose_ranks_wait_on_each_other_is_refused():
     durations = {0: [1.0, 1.0], 1: [1.0, 1.0]}
     with pytest.raises(ValueError, match="deadlocks"):
         time_model.pipeline_step_time(orders, durations)
+
+
+def test_ddp_bucket_caps_have_a_small_first_bucket_only_by_default():
+    # torch 2.13's _BucketCapacityConfig: first_bucket_bytes_cap is 1 MiB only when
+    # bucket_cap_mb is None; a cap the user sets is every bucket's
+    assert time_model.ddp_bucket_caps() == (1 << 20, 25 << 20)
+    assert time_model.ddp_bucket_caps(1) == (1 << 20,)
+    assert time_model.ddp_bucket_caps(25) == (25 << 20,)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_transformer_tensors_are_the_models_own(tied):
+    from labkit.model.transformer import Shape, Transformer
+    from labkit.predict import memory_model
+    model = Transformer(Shape(layers=2, hidden=16, heads=2, seq=8, vocab=40))
+    if tied:
+        model.head.out.weight = model.embed.tokens.weight   # one tensor, registered first
+    numels = time_model.transformer_param_numels(2, 16, 40, 8, tied_head=tied)
+    assert numels == [p.numel() for p in model.parameters()]
+    assert sum(numels) == memory_model.transformer_params(2, 16, 40, 8, tied_head=tied)
+
+
+def test_ddp_buckets_are_the_ones_ddp_rebuilds():
+    """After the first iteration DDP rebuilds its buckets in the order the gradients came;
+    its logging data holds their sizes. A tied embedding comes last, in a bucket of its own
+    that is the largest of the model, and no tensor is split."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from labkit.model.transformer import Shape, Transformer, next_token_loss
+    shape = Shape(layers=3, hidden=256, heads=4, seq=32, vocab=3000)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for cap_mb in (None, 1):
+            torch.manual_seed(0)
+            model = Transformer(shape)
+            model.head.out.weight = model.embed.tokens.weight
+            wrapped = DDP(model, bucket_cap_mb=cap_mb)
+            ids = torch.randint(0, shape.vocab, (2, shape.seq))
+            for _ in range(3):   # the order is recorded in the first backward, the buckets
+                # rebuilt in the next forward, and logged in the step after
+                next_token_loss(wrapped(ids), ids).backward()
+            data = wrapped._get_ddp_logging_data()
+            assert data["has_rebuilt_buckets"] == 1
+            theirs = [int(b) for b in data["rebuilt_bucket_sizes"].replace(",", " ").split()]
+            ours = time_model.ddp_bucket_bytes(
+                time_model.transformer_param_numels(3, 256, 3000, 32, tied_head=True),
+                caps_bytes=time_model.ddp_bucket_caps(cap_mb))
+            assert ours == theirs and len(ours) > 1
+            assert ours[-1] >= 4 * shape.vocab * shape.hidden == max(
+                4 * p.numel() for p in model.parameters())
+            del wrapped, model
+    finally:
+        dist.destroy_process_group()
+
+
+def test_optimizer_step_by_hand():
+    # 1e9 parameters x 28 bytes at 2.8e12 bytes/s: 10 ms
+    assert time_model.optimizer_step_s(10**9, 2.8e12) == pytest.approx(0.010)

@@ -15,10 +15,12 @@ REPO = Path(__file__).resolve().parents[2]
 HTML = REPO / "_build" / "html"
 # the chapters are the numbered parts of the table of contents, in its order
 TOC = (REPO / "_toc.yml").read_text()
-NOT_CHAPTERS = ("intro", "sizing", "your_trace", "status", "bibliography")
+NOT_CHAPTERS = ("intro", "notation", "which_parallelism", "sizing", "your_trace", "status",
+                "bibliography")
 CHAPTERS = [name for name in re.findall(r"file: book/(\w+)", TOC) if name not in NOT_CHAPTERS]
-PAGES = ["intro", *CHAPTERS, "sizing", "your_trace", "status", "bibliography"]
-assert "traces" in CHAPTERS and len(CHAPTERS) == 14   # the parser reads the real toc
+PAGES = ["intro", *CHAPTERS, "notation", "which_parallelism", "sizing", "your_trace", "status",
+         "bibliography"]
+assert "traces" in CHAPTERS and len(CHAPTERS) >= 14   # the parser reads the real toc
 
 if not (HTML / "book" / "intro.html").is_file():
     pytest.skip("the book is not built: run `make book` first (make test does)",
@@ -95,7 +97,8 @@ def test_the_status_page_gives_the_budget_in_units():
     text = " ".join(text_of(page("status")).split())
     assert "One unit here:" in text and "bare 2-rank torchrun launch" in text
     rows = re.findall(r" (\d+\.\d) (\d+\.\d) (ok|failed)", text)   # seconds, units, status
-    assert len(rows) == len(CHAPTERS), rows
+    # the reference pages compute their numbers with the cost models: executed too
+    assert len(rows) == len(CHAPTERS) + len(("notation", "which_parallelism")), rows
     assert all(status == "ok" for *_, status in rows)
 
 
@@ -114,3 +117,84 @@ def test_the_gpu_references_are_listed_or_said_to_be_none():
     fsdp = " ".join(text_of(page("fsdp")).split())
     if not references.references("fsdp"):
         assert "No GPU reference is recorded for labs/fsdp.py yet" in fsdp
+
+
+# What a sentence ending in ":" may introduce: anything a reader can see. An executed cell
+# whose input is hidden and whose value was never displayed (a table built, then an
+# assert after it) leaves an empty box or nothing: the sentence then points at nothing.
+SHOWN = ("table", "img", "svg", "pre", "ul", "ol", "dl", "figure", "iframe", "blockquote")
+
+
+def shows_something(element):
+    if element.name in SHOWN or element.find(SHOWN):
+        return True
+    classes = element.get("class") or []
+    if "math" in classes or element.find(class_="math"):
+        return True
+    return element.name not in ("p", "section") and not re.match(r"h\d$", element.name) \
+        and bool(element.get_text(strip=True))
+
+
+def colons_followed_by_nothing(markup):
+    """The paragraphs of a page that end in ":" with nothing shown after them."""
+    from bs4 import BeautifulSoup
+    article = BeautifulSoup(markup, "html.parser").find("article")
+    found = []
+    for p in article.find_all("p"):
+        text = " ".join(p.get_text().split())
+        # a list item's, a table cell's or a definition's own colon introduces its text
+        if not text.endswith(":") or p.find_parent(["li", "td", "th", "dd", "dt"]) \
+                or "admonition-title" in (p.get("class") or []):
+            continue
+        following = p.find_next_sibling()
+        # empty boxes (a cell that printed nothing) are not something shown
+        while following is not None and following.name == "div" \
+                and not shows_something(following):
+            following = following.find_next_sibling()
+        if following is None or not shows_something(following):
+            found.append(text[-80:])
+    return found
+
+
+@pytest.mark.parametrize("name", PAGES)
+def test_no_sentence_ending_in_a_colon_introduces_nothing(name):
+    assert colons_followed_by_nothing(page(name)) == []
+
+
+@pytest.mark.parametrize("name", CHAPTERS)
+def test_each_chapter_says_where_its_numbers_come_from(name):
+    # book/_ext/where_numbers.py: a banner right under the title, naming the build's CPU
+    # and gloo, and the GPU boxes of results/ that ran the chapter's labs, if any
+    markup = page(name)
+    # right after the chapter's title
+    banner = re.search(r'</h1>\s*<div class="where-numbers admonition">(.*?)</div>', markup,
+                       re.S)
+    assert banner, "no banner under the title"
+    text = " ".join(text_of(banner.group(1)).split())
+    assert "Where the numbers come from" in text and "CPU" in text and "gloo" in text
+    assert "status page" in text
+
+
+def test_the_intro_says_where_the_numbers_come_from_and_links_the_reference_pages():
+    text = " ".join(text_of(page("intro")).split())
+    assert "Where the numbers come from" in text and "gloo" in text
+    for name in ("notation", "which_parallelism", "sizing", "your_trace", "precision",
+                 "status"):
+        assert f'href="{name}.html' in page("intro"), name
+
+
+@pytest.mark.parametrize("name", PAGES)
+def test_each_file_a_page_names_links_to_its_source(name):
+    # book/_ext/source_links.py: `labs/hybrid.py` in the prose opens the file in the
+    # repository; a name that is no file (a command line) stays plain
+    from bs4 import BeautifulSoup
+    article = BeautifulSoup(page(name), "html.parser").find("article")
+    for code in article.find_all("code", class_="literal"):
+        text = code.get_text().strip()
+        if not re.fullmatch(r"(labs|labkit|benchmarks)/[\w./-]+\.py", text):
+            continue
+        if not any((REPO / path).is_file() for path in (text, f"labs/{text}")):
+            continue
+        link = code.find_parent("a")
+        assert link is not None and link["href"].endswith(
+            text if text.startswith(("labs/", "benchmarks/")) else f"labs/{text}"), text

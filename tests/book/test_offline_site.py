@@ -6,7 +6,10 @@ cluster without internet access, as a reader there would open it.
   loaded (Resource Timing) holds only the site's address.
 - Every equation renders, at 1280 and at 390 px: as many MathJax containers as the page
   has equations, no MathJax error, no raw TeX left in the text.
-- Each displayed equation fits its column, or scrolls sideways in its own box.
+- Each displayed equation and each table fits its column, or scrolls sideways in its own
+  box: the box lies inside the column and every box around it that clips (the theme's
+  numbered equations clip what overflows them), it really scrolls, and it says so with a
+  scroll bar that takes room or a shadow at its edge (a phone overlays its scroll bars).
 
 The sizing page's own test checks that it answers with the site's Pyodide (test_sizing_page).
 
@@ -40,6 +43,9 @@ WIDTHS = (1280, 390)
 # span.math or a div.math holding \(...\) or \[...\]), read from the built files
 PAGES = {path.relative_to(HTML).as_posix(): count for path in sorted(HTML.glob("book/*.html"))
          if (count := len(re.findall(r'class="math[" ]', path.read_text())))}
+# the pages with tables, whose width is checked alike
+TABLE_PAGES = [path.relative_to(HTML).as_posix() for path in sorted(HTML.glob("book/*.html"))
+               if "<table" in path.read_text()]
 
 
 class QuietSite(http.server.SimpleHTTPRequestHandler):
@@ -95,24 +101,53 @@ while (walker.nextNode()) {
   const text = walker.currentNode.textContent;
   if (/\\\\[(\\[]|\\\\[)\\]]/.test(text)) raw.push(text.trim().slice(0, 80));
 }
-// a displayed equation fits its column, or some box between it and the column scrolls
 const column = article.getBoundingClientRect();
+// What of `content` a reader cannot see: the part past the right edge of the column or of
+// any box around it that clips (overflow other than visible), unless a box between them
+// scrolls and shows that it does. Returns "" when all is seen, else why not.
+function rightClip(el, stop) {
+  let right = column.right;
+  for (let box = el.parentElement; box && box !== stop; box = box.parentElement) {
+    if (getComputedStyle(box).overflowX !== "visible") {
+      right = Math.min(right, box.getBoundingClientRect().right);
+    }
+  }
+  return right;
+}
+function unseen(content, outer) {
+  const box = content.getBoundingClientRect();
+  if (box.width === 0 || box.right <= rightClip(content, article) + 1) return "";
+  for (let el = content.parentElement; el && el !== outer.parentElement; el = el.parentElement) {
+    const style = getComputedStyle(el);
+    if (!["auto", "scroll"].includes(style.overflowX)) continue;
+    const own = el.getBoundingClientRect();
+    // the scrolling box itself must be whole on the page, not cut by a box around it
+    if (own.right > rightClip(el, article) + 1) return "its scrolling box is cut off";
+    if (el.scrollWidth <= el.clientWidth + 1) return "its box does not scroll";
+    const borders = parseFloat(style.borderTopWidth) + parseFloat(style.borderBottomWidth);
+    const bar = el.offsetHeight - el.clientHeight - borders;
+    const shadow = style.backgroundImage.includes("gradient")
+      && style.backgroundAttachment.includes("local");
+    if (bar < 4 && !shadow) return "it scrolls with no scroll bar or shadow to show it";
+    return "";
+  }
+  return `cut off ${Math.round(box.right - rightClip(content, article))} px, with nothing to scroll`;
+}
 const overflowing = [];
 for (const eq of article.querySelectorAll('mjx-container[display="true"]')) {
-  // the typeset formula, which may run past its container's box
-  const content = (eq.firstElementChild || eq).getBoundingClientRect();
-  if (content.width === 0 || content.right <= column.right + 1) continue;
-  let scrolls = false;
-  for (let el = eq; el && el !== article; el = el.parentElement) {
-    const style = getComputedStyle(el);
-    if (["auto", "scroll"].includes(style.overflowX)
-        && el.getBoundingClientRect().right <= column.right + 1) { scrolls = true; break; }
-  }
-  if (!scrolls) overflowing.push(eq.textContent.slice(0, 60));
+  const why = unseen(eq.firstElementChild || eq, eq.closest("div.math") || eq);
+  if (why) overflowing.push(`${eq.textContent.slice(0, 50)}: ${why}`);
+}
+const tables = [];
+for (const table of article.querySelectorAll("table")) {
+  const why = unseen(table, table.closest(".pst-scrollable-table-container, .table-wrapper, "
+                                          + ".sizing-table") || table.parentElement);
+  if (why) tables.push(`${(table.querySelector("caption, th") || table).textContent
+                         .trim().slice(0, 50)}: ${why}`);
 }
 return {containers: article.querySelectorAll("mjx-container").length,
         errors: document.querySelectorAll("mjx-merror").length,
-        raw, overflowing,
+        raw, overflowing, tables,
         requested: performance.getEntriesByType("resource").map((entry) => entry.name)};
 """
 
@@ -132,10 +167,11 @@ def seen(origin, browser):
     layout is what changes."""
     browser.set_script_timeout(60)
     reports = {}
-    for page in PAGES:
+    for page in sorted(set(PAGES) | set(TABLE_PAGES)):
         narrow(browser, WIDTHS[0])
         browser.get(f"{origin}/{page}")
-        typeset = browser.execute_async_script(TYPESET)
+        # a page without mathematics loads no MathJax: nothing to wait for
+        typeset = browser.execute_async_script(TYPESET) if page in PAGES else None
         for width in WIDTHS:
             narrow(browser, width)
             reports[page, width] = {"typeset": typeset, **browser.execute_script(REPORT)}
@@ -148,6 +184,8 @@ def test_the_pages_with_equations_are_found():
 
 def test_every_equation_renders(seen):
     for (page, width), report in seen.items():
+        if page not in PAGES:
+            continue
         where = f"{page} at {width} px"
         assert report["typeset"] is True, f"{where}: {report['typeset']}"
         assert report["errors"] == 0, f"{where}: {report['errors']} MathJax errors"
@@ -158,6 +196,12 @@ def test_every_equation_renders(seen):
 def test_each_displayed_equation_fits_or_scrolls_in_its_own_box(seen):
     for (page, width), report in seen.items():
         assert report["overflowing"] == [], f"{page} at {width} px: {report['overflowing']}"
+
+
+def test_each_table_fits_or_scrolls_in_its_own_box(seen):
+    assert len(TABLE_PAGES) >= 10, TABLE_PAGES
+    for (page, width), report in seen.items():
+        assert report["tables"] == [], f"{page} at {width} px: {report['tables']}"
 
 
 def test_no_page_requests_anything_outside_the_site(origin, seen):

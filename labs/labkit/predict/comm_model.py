@@ -298,10 +298,14 @@ def allreduce_time(bytes_, world_size, alpha_s, beta_bytes_per_s):
 
 
 def tree_allreduce_time(bytes_, world_size, alpha_s, beta_bytes_per_s):
-    """A pipelined binary-tree reduce then broadcast: 2 log2(N) latencies, ~2 S / beta.
+    """A pipelined double binary tree (Sanders et al. 2009; NCCL's tree between nodes): two
+    trees each reduce half of the data up and broadcast it down, a rank inner in one and a
+    leaf in the other, so each rank receives and sends 2S: 2 ceil(log2 N) latencies + 2 S / beta.
+    (A single binary tree would push 3S through an inner rank.)
 
-    Fewer latency terms than the ring (log N instead of N), but every byte crosses the
-    busiest link twice whatever N is, against 2(N-1)/N for the ring.
+    Fewer latency terms than the ring (log N instead of N), but 2S through every rank
+    whatever N is, against 2(N-1)/N S for the ring. time_model.nccl_tree_allreduce_time is
+    the tree as NCCL builds it over nodes of several GPUs.
     """
     n = world_size
     return 2 * math.ceil(math.log2(n)) * alpha_s + 2 * bytes_ / beta_bytes_per_s

@@ -17,6 +17,13 @@ NVLINK = (5e-6, 360e9)         # inside a node, per GPU
 NIC = (10e-6, 48e9)            # between nodes, per network card, one card per GPU
 NVLINK_LINE_RATE = 450e9       # bytes/s per direction per GPU
 NIC_LINE_RATE = 50e9           # bytes/s, 400 Gb/s
+# NVLS (NVLink SHARP: the NVSwitch adds the values) all-reduce on one node of 8 H100s, the
+# busbw NCCL's maintainer gives as its peak, "~480GB/s (algbw ~275GB/s)" on large messages
+# (nccl-tests issue 212). A measured rate, not a link's: see time_model.nvls_allreduce_time
+NVLS_BUSBW = 480e9
+# NCCL's own latency for an NVLS all-reduce inside a node of NVLink GPUs, one step of 25 us
+# (hwLatencies, NVLINK, NVLS, Simple, in src/graph/tuning.cc of NCCL 2.30)
+NVLS_ALPHA = 25e-6
 H100_BF16_FLOPS = 989e12       # dense bf16 peak of the H100 SXM, FLOP/s
 H100_NVL_BF16_FLOPS = 835e12   # the H100 NVL's: 1,671 TFLOP/s with sparsity, halved (datasheet)
 # The memory nvidia-smi reports as an H100 80GB's total, 85.5 GB ("0MiB / 81559MiB" in

@@ -40,7 +40,7 @@ with tp_comm_overlap each beside a linear layer's product, as Transformer Engine
 or torch's eight a layer (torch_tp), six of them fused with their products under async_tp
 (tensor_parallel_overlapped_time); the
 pipeline's sends; the data-parallel collectives (comm_model.data_parallel_step_collectives)
-over the hierarchical links (time_model.hierarchical_allreduce_time), hidden behind
+over NCCL's ring or tree (time_model.nccl_allreduce_time), hidden behind
 backward as far as they fit; context parallelism's ring, exposed where a block's transfer
 outlasts its compute; expert parallelism's dispatch, exposed (or, with ep_overlap or
 DualPipe, hidden behind the computation as far as it lasts).
@@ -387,10 +387,10 @@ def divisors(n):
 
 def group_time(op, bytes_, size, span_per_node, hw):
     """Seconds of one collective over `size` ranks of which `span_per_node` share a node:
-    a ring on NVLink inside one node; across nodes the two-level all-reduce
-    (time_model.hierarchical_allreduce_time, ring or tree), and an all-gather or
-    reduce-scatter as a ring alone (time_model.hierarchical_shard_collective_time): NCCL
-    has no tree for those two."""
+    a ring on NVLink inside one node; across nodes the all-reduce as NCCL's flat ring or
+    its tree, whichever is faster (time_model.nccl_allreduce_time), and an all-gather or
+    reduce-scatter as the flat ring alone (time_model.hierarchical_shard_collective_time):
+    NCCL has no tree for those two."""
     if size == 1:
         return 0.0
     if size <= span_per_node:
@@ -398,8 +398,8 @@ def group_time(op, bytes_, size, span_per_node, hw):
             return comm_model.allreduce_time(bytes_, size, *hw.nvlink)
         return time_model.shard_collective_time(bytes_, size, *hw.nvlink)
     if op == "all_reduce":
-        return time_model.hierarchical_allreduce_time(bytes_, size, span_per_node, hw.nvlink,
-                                                      hw.network)
+        return time_model.nccl_allreduce_time(bytes_, size, span_per_node, hw.nvlink,
+                                              hw.network)
     return time_model.hierarchical_shard_collective_time(bytes_, size, span_per_node,
                                                          hw.nvlink, hw.network)
 

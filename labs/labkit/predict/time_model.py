@@ -9,8 +9,9 @@ the labs use them for the same numbers, and the tests check them against hand ar
 
 from . import comm_model
 
-# DDP's bucket caps: the first bucket closes at 1 MiB, so that the first all-reduce starts
-# early in the backward pass; the rest at bucket_cap_mb (25 MiB by default).
+# DDP's bucket caps when bucket_cap_mb is left unset: the first bucket closes at 1 MiB, so
+# that the first all-reduce starts early in the backward pass, the rest at 25 MiB. A cap the
+# user sets applies to the first bucket too (ddp_bucket_caps).
 FIRST_BUCKET_BYTES = 1 << 20
 DEFAULT_BUCKET_BYTES = 25 << 20
 
@@ -47,8 +48,9 @@ def bucket_layout(sizes_bytes, caps_bytes=(FIRST_BUCKET_BYTES, DEFAULT_BUCKET_BY
     the first tensor each holds.
 
     This is the layout DDP builds after its first iteration, from the order in which the
-    gradients arrived. The first iteration runs with a single bucket (unless
-    find_unused_parameters=True), since the order is not known yet.
+    gradients arrived. The first iteration runs with a single bucket unless
+    find_unused_parameters=True and static_graph=False, since the order is not known yet
+    (torch/nn/parallel/distributed.py, compute_bucket_size_limits).
     """
     dtypes = dtypes or [None] * len(sizes_bytes)
     buckets, open_buckets = [], {}   # dtype -> (indices, bytes filled, buckets closed)
@@ -70,6 +72,41 @@ def bucket_bytes(sizes_bytes, caps_bytes=(FIRST_BUCKET_BYTES, DEFAULT_BUCKET_BYT
             for bucket in bucket_layout(sizes_bytes, caps_bytes, dtypes)]
 
 
+def ddp_bucket_caps(bucket_cap_mb=None):
+    """The caps DDP buckets with for a given `bucket_cap_mb`: the 1 MiB first bucket exists
+    only at the default (None, then 25 MiB); a cap the user sets applies to every bucket,
+    the first included (torch/nn/parallel/distributed.py, _BucketCapacityConfig.create)."""
+    if bucket_cap_mb is None:
+        return (FIRST_BUCKET_BYTES, DEFAULT_BUCKET_BYTES)
+    return (int(bucket_cap_mb * (1 << 20)),)
+
+
+def transformer_param_numels(layers, hidden, vocab, seq, tied_head=False):
+    """Elements of each parameter tensor of the course's GPT-style transformer
+    (labkit/model/transformer.py), in the order it registers them: the token and position
+    embeddings; per block norm1, qkv, proj, norm2, fc1, fc2 (weight, then bias, each); the
+    final LayerNorm; the output head unless it is tied to the token embedding. They sum to
+    memory_model.transformer_params."""
+    h = hidden
+    block = [h, h, 3 * h * h, 3 * h, h * h, h, h, h, 4 * h * h, 4 * h, 4 * h * h, h]
+    return [vocab * h, seq * h] + block * layers + [h, h] + ([] if tied_head else [vocab * h])
+
+
+def ddp_bucket_bytes(numels, element_bytes=4, caps_bytes=None):
+    """Bytes of DDP's buckets after its first iteration, in the order they are all-reduced,
+    for parameter tensors of `numels` elements given in registration order.
+
+    DDP rebuilds its buckets in the order the gradients became ready in the first backward,
+    which for a model that runs its modules in the order it registers them is that order
+    reversed. A tied head's weight is the token embedding, registered first: it is ready
+    last, once the embedding's backward has added its part, so the last bucket holds it,
+    the largest tensor of the model. Every tensor stays whole: a tensor larger than the cap
+    is a bucket of its own. (Within a module DDP may see a bias before its weight; it moves
+    a bucket's boundary by a bias at most.)"""
+    caps_bytes = caps_bytes or ddp_bucket_caps()
+    return bucket_bytes([element_bytes * n for n in reversed(numels)], caps_bytes)
+
+
 def shard_collective_time(bytes_, world_size, alpha_s, beta_bytes_per_s):
     """Alpha-beta model of a ring all-gather or reduce-scatter of a `bytes_` tensor: half of
     an all-reduce, (N-1) latencies + (N-1)/N * S / beta."""
@@ -77,31 +114,89 @@ def shard_collective_time(bytes_, world_size, alpha_s, beta_bytes_per_s):
     return (n - 1) * alpha_s + (n - 1) / n * bytes_ / beta_bytes_per_s
 
 
-def hierarchical_allreduce_time(bytes_, world_size, gpus_per_node, intra, inter,
-                                pipelined=False):
-    """Alpha-beta model of a two-level all-reduce over nodes of `gpus_per_node` GPUs.
+def nccl_ring_allreduce_time(bytes_, world_size, gpus_per_node, intra, inter):
+    """Alpha-beta model of NCCL's ring all-reduce, as its tuning model prices it (NCCL 2.30,
+    src/graph/tuning.cc, ncclTopoTuneModel): one flat ring through all N ranks, split over
+    channels, with no level of its own for the nodes. Its 2(N-1) steps are those of a
+    reduce-scatter and an all-gather (twice hierarchical_shard_collective_time): 2(nodes-1)
+    of them cross the network, the others NVLink. Every GPU passes 2(N-1)/N of the data on
+    over NVLink, and each node's share of the rings leaves it through its G cards, so the
+    bandwidth term is bound by the slower of NVLink and the node's G cards together.
 
-    `intra` and `inter` are (alpha_s, beta_bytes_per_s) of the links inside a node and
-    between nodes. Inside one node it is a ring. Across nodes: a ring reduce-scatter inside
-    each node, then each GPU all-reduces its 1/G share with the GPUs of the same local rank
-    on the other nodes (G all-reduces side by side, one network card each), then a ring
-    all-gather inside the node. The data crosses the slow network once, divided by G.
-    Across nodes the faster of ring and tree is taken, as NCCL chooses between them.
+    `intra` and `inter` are (alpha_s, beta_bytes_per_s) of a GPU's NVLink and of one
+    network card; one card per GPU."""
+    return 2 * hierarchical_shard_collective_time(bytes_, world_size, gpus_per_node, intra,
+                                                  inter)
 
-    pipelined=False runs the three phases one after the other (an upper bound).
-    pipelined=True lets them overlap, chunk by chunk, as NCCL's rings and trees do for
-    large messages: the time is that of the slower level (a lower bound).
-    """
-    g = gpus_per_node
-    if world_size <= g:
-        return comm_model.allreduce_time(bytes_, world_size, *intra) if world_size > 1 else 0.0
-    if world_size % g:
-        raise ValueError(f"{world_size} GPUs do not fill nodes of {g}")
-    inside = 2 * shard_collective_time(bytes_, g, *intra)
-    nodes, share = world_size // g, bytes_ / g
-    across = min(comm_model.allreduce_time(share, nodes, *inter),
-                 comm_model.tree_allreduce_time(share, nodes, *inter))
-    return max(inside, across) if pipelined else inside + across
+
+def nccl_tree_allreduce_time(bytes_, world_size, gpus_per_node, intra, inter):
+    """Alpha-beta model of NCCL's tree all-reduce (src/graph/connect.cc, connectTrees and
+    the chain of ncclTopoPreset; priced in src/graph/tuning.cc): inside each node a chain
+    through its G GPUs, over the nodes a double binary tree (two trees, each carrying half
+    of the data, a node inner in one and a leaf in the other), pipelined: reduce up, then
+    broadcast down. Latency, as NCCL counts it: 2((G-1) alpha_intra + floor(log2 nodes)
+    alpha_inter). Bandwidth: a GPU in the middle of the chain receives S going up and S
+    coming down, 2S over NVLink, whatever the number of nodes (so inside one node the tree
+    is a chain with the ring's 2(G-1) steps and more bytes); each node's cards carry 2S in
+    each direction over the double tree, or S with two nodes, where each node is the root of
+    one tree and the leaf of the other. NCCL's model is this before its per-channel caps
+    and its 0.92 factor."""
+    g, n = gpus_per_node, world_size
+    if n <= 1:
+        return 0.0
+    (alpha_intra, beta_intra), (alpha_inter, beta_inter) = intra, inter
+    if n <= g:                        # one node: the chain alone
+        return 2 * (n - 1) * alpha_intra + 2 * bytes_ / beta_intra
+    if n % g:
+        raise ValueError(f"{n} GPUs do not fill nodes of {g}")
+    nodes = n // g
+    latency = 2 * ((g - 1) * alpha_intra + (nodes.bit_length() - 1) * alpha_inter)
+    chain = 2 * bytes_ / beta_intra if g > 1 else 0.0
+    network = (1 if nodes == 2 else 2) * bytes_ / (g * beta_inter)
+    return latency + max(chain, network)
+
+
+def nccl_allreduce_time(bytes_, world_size, gpus_per_node, intra, inter):
+    """The faster of NCCL's ring and tree (nccl_ring_allreduce_time, nccl_tree_allreduce_time):
+    NCCL prices each algorithm and protocol it may run and takes the fastest
+    (src/enqueue.cc, topoGetAlgoInfo). NVLS and CollNet need switch support and are left
+    out; nvls_allreduce_time prices NVLS inside one node from a measured figure."""
+    return min(nccl_ring_allreduce_time(bytes_, world_size, gpus_per_node, intra, inter),
+               nccl_tree_allreduce_time(bytes_, world_size, gpus_per_node, intra, inter))
+
+
+# The name the scaling chapter and the planner called this model by, when it was modelled as
+# a reduce-scatter, a per-card all-reduce and an all-gather (which NCCL runs only as CollNet
+# or NVLS-tree): kept so that they keep working.
+hierarchical_allreduce_time = nccl_allreduce_time
+
+
+def nccl_crossover_bytes(world_size, gpus_per_node, intra, inter):
+    """Message size above which NCCL's ring is faster than its tree under the two models
+    above, or None if one is faster at every size. Both are a latency plus a size over a
+    rate, so they cross at most once."""
+    big = 2.0 ** 40   # a slope read over 1 TiB, not 1 byte, keeps the latency's digits
+
+    def line(model):
+        at_zero = model(0.0, world_size, gpus_per_node, intra, inter)
+        return at_zero, (model(big, world_size, gpus_per_node, intra, inter) - at_zero) / big
+    (ring_latency, ring_per_byte), (tree_latency, tree_per_byte) = (
+        line(nccl_ring_allreduce_time), line(nccl_tree_allreduce_time))
+    if (ring_latency - tree_latency) * (tree_per_byte - ring_per_byte) <= 0:
+        return None
+    return (ring_latency - tree_latency) / (tree_per_byte - ring_per_byte)
+
+
+def nvls_allreduce_time(bytes_, world_size, alpha_s, busbw_bytes_per_s):
+    """NVLS (NVLink SHARP) all-reduce inside one node, where the NVSwitch adds the GPUs'
+    values: a GPU sends and receives about S once instead of the ring's 2(N-1)/N S, so its
+    rate is no link's. Priced from a measured bus bandwidth (hardware.NVLS_BUSBW), through
+    nccl-tests' normalisation: algbw = busbw N / (2(N-1)). NCCL counts one step of latency
+    for it (src/graph/tuning.cc)."""
+    n = world_size
+    if n <= 1:
+        return 0.0
+    return alpha_s + 2 * (n - 1) / n * bytes_ / busbw_bytes_per_s
 
 
 def hierarchical_shard_collective_time(bytes_, world_size, gpus_per_node, intra, inter):
@@ -160,6 +255,15 @@ def exposed_comm_s(forward_s, backward_s, buckets_bytes, buckets_comm_s, optimiz
     """The part of communication that overlap cannot hide: step time minus compute."""
     return step_time(forward_s, backward_s, buckets_bytes, buckets_comm_s, True,
                      optimizer_s) - (forward_s + backward_s + optimizer_s)
+
+
+def optimizer_step_s(params, memory_bytes_per_s, bytes_per_param=28):
+    """Seconds of an Adam step over `params` parameters, at the memory's full rate: it
+    reads the fp32 parameter, gradient and two moments (16 bytes) and writes the parameter
+    and the moments back (12), 28 bytes per parameter, with a few FLOPs per byte, far too
+    few to be bound by compute. A lower bound: unfused kernels move the data more often.
+    Every DDP rank does all of it; ZeRO-1 gives each of N ranks 1/N of it."""
+    return params * bytes_per_param / memory_bytes_per_s
 
 
 def compute_time_from_flops(params, tokens, peak_flops, utilization):
