@@ -1,7 +1,8 @@
 """Scaling efficiency: a data-parallel training step measured at the world size it runs at,
 taken apart into compute and communication, and set against the step-time model.
 
-  --strategy ddp    torch DDP with its default buckets (1 MiB first, then 25 MiB)
+  --strategy ddp    torch DDP with its default buckets (bucket_cap_mb unset: 1 MiB first,
+                    then 25 MiB)
   --strategy fsdp   torch FSDP2: fully_shard on the embedding, each block and the head,
                     then the root (ZeRO-3: parameters gathered for forward and again for
                     backward, gradients reduce-scattered)
@@ -14,9 +15,13 @@ launch, one after another, and the link is fitted once for all of them.
                   group, while the other ranks wait (asleep in a gloo barrier)
 
 Measured, all ranks at once, each time the slowest rank's:
-  step_time_s      median of --steps timed steps after --warmup (spread: the quartiles)
+  step_time_s      median of --steps timed steps after --warmup; its spread is between
+                   timing.summary's quartiles, the k-th fastest and slowest step with
+                   k = steps // 4 (at least 1): below 8 steps, the fastest and the slowest
   compute_time_s   forward + backward + optimizer step of a plain copy of the model on the
-                   same local batch, without any communication
+                   same local batch, without any communication, each phase timed apart
+  plain_step_time_s  that plain copy's whole step timed at once (median), as the step is:
+                   the step minus it is the DDP or FSDP wrapper's own work
   comm_time_s      the step's collectives alone, back to back: DDP's bucket all-reduces,
                    or FSDP's two all-gathers and one reduce-scatter per unit
   alpha_s, beta_bytes_per_s   all-reduces of several sizes, fitted (comm_model)
@@ -47,9 +52,9 @@ not grow with size, as on NVLink at these sizes; predictions are then null), par
 sequences of the model, on one rank), and `runs`, one per (strategy, scaling):
 [{strategy, scaling, step_time_s, step_time_spread_s (upper minus lower quartile),
 step_time_quartiles_s, samples_per_s, compute_time_s (and forward_, backward_,
-optimizer_time_s), comm_time_s, predicted_step_time_s, predicted_comm_time_s,
-model_overlap, collectives [{op, bytes}], batch_per_rank, global_batch, profile (rank 0's
-trace with --profile, else null)}]; sub_worlds
+optimizer_time_s), plain_step_time_s, comm_time_s, predicted_step_time_s,
+predicted_comm_time_s, model_overlap, collectives [{op, bytes}], batch_per_rank,
+global_batch, profile (rank 0's trace with --profile, else null)}]; sub_worlds
 [{world_size, alpha_s, beta_bytes_per_s, link_fit_error, runs}], one per --sub-worlds size,
 largest first.
 """
@@ -138,9 +143,10 @@ def fit_link(env, repeats, group=None):
 
 
 def predicted_comm(plan, world_size, alpha, beta, backend="nccl"):
-    """Alpha-beta seconds of each collective in `plan` (None when no link was fitted). gloo
-    has no reduce-scatter of its own: torch's gloo backend all-reduces the whole buffer and
-    keeps the rank's part, so there a reduce-scatter is priced as that all-reduce."""
+    """Alpha-beta seconds of each collective in `plan` (None when no link was fitted). The
+    gloo library has a reduce-scatter (recursive halving-doubling, gloo/reduce_scatter.h),
+    but torch's gloo backend does not call it: it all-reduces the whole buffer and keeps
+    the rank's part, so there a reduce-scatter is priced as that all-reduce."""
     if world_size == 1:
         return [0.0] * len(plan)
     if alpha is None:
@@ -179,6 +185,13 @@ def measure(strategy, scaling, args, env, link, group=None):
     compute = timing.compute_times(plain, torch.optim.SGD(plain.parameters(), lr=LEARNING_RATE),
                                    next_token_loss, ids, targets, env.device, args.steps,
                                    group=group)
+    # the same plain copy's whole step in one timing, as the step itself is timed: what
+    # the wrapped step takes beyond it is the wrapper's own work (DDP's copies into and
+    # out of its buckets, FSDP2's DTensors and copies), which no phase above holds
+    plain_optimizer = torch.optim.SGD(plain.parameters(), lr=LEARNING_RATE)
+    plain_steps = [timing.timed(env.device,
+                                lambda: train_step(plain, plain_optimizer, ids, targets), group)
+                   for _ in range(args.warmup + args.steps)][args.warmup:]
     env.progress(f"{strategy}, {scaling}: communication alone")
     comm = time_collectives(plan, env, args.steps, args.warmup, group) if n > 1 else 0.0
     env.progress("")
@@ -197,6 +210,7 @@ def measure(strategy, scaling, args, env, link, group=None):
         "samples_per_s": batch_per_rank * n / median,
         "compute_time_s": sum(compute.values()),
         **{f"{phase[:-2]}_time_s": seconds for phase, seconds in compute.items()},
+        "plain_step_time_s": statistics.median(plain_steps),
         "comm_time_s": comm,
         "predicted_comm_time_s": None if comm_each is None else sum(comm_each),
         "predicted_step_time_s": predicted,
@@ -266,7 +280,7 @@ def measure_all(args, env, group=None):
             runs.append(run)
             env.print0(f"{strategy}, {scaling} scaling, {run['batch_per_rank']} sequences "
                        f"per rank:")
-            env.print0(f"  step {run['step_time_s'] * 1e3:.2f} ms (IQR "
+            env.print0(f"  step {run['step_time_s'] * 1e3:.2f} ms (spread "
                        f"{run['step_time_spread_s'] * 1e3:.2f}), "
                        f"{run['samples_per_s']:.1f} samples/s"
                        + ("" if run["predicted_step_time_s"] is None else

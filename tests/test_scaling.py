@@ -16,7 +16,7 @@ from labkit.model.transformer import Transformer
 
 FAST = ["--steps", 3, "--warmup", 1]
 FIELDS = ("step_time_s", "step_time_spread_s", "samples_per_s", "compute_time_s",
-          "comm_time_s", "predicted_step_time_s")
+          "plain_step_time_s", "comm_time_s", "predicted_step_time_s")
 
 
 def rebuilt_prediction(run, result):
@@ -42,6 +42,7 @@ def check_invariants(result):
     for run in result["runs"]:
         assert all(isinstance(run[f], float) and run[f] >= 0 for f in FIELDS)
         assert run["step_time_s"] > 0 and run["compute_time_s"] > 0
+        assert run["plain_step_time_s"] > 0   # the plain copy's whole step, timed at once
         assert run["global_batch"] == run["batch_per_rank"] * n
         assert run["samples_per_s"] == pytest.approx(run["global_batch"] / run["step_time_s"])
         parts = run["forward_time_s"] + run["backward_time_s"] + run["optimizer_time_s"]
