@@ -177,6 +177,7 @@ RUNS = (
     Run("scaling", "scaling", ("--strategy", "ddp,fsdp", "--scaling", "weak", "--batch", 8,
                                "--profile", TRACES)),
     Run("fsdp", "FSDP and ZeRO"),
+    Run("low_communication", "talking less", ("--steps", 32)),
     Run("zero_libraries", "FSDP and ZeRO", zero_libraries_args),
     Run("checkpoint", "FSDP and ZeRO", launches=checkpoint_launches),
     Run("precision", "precision"),

@@ -29,7 +29,7 @@ Launch lines (from the repository root):
   one method:           torchrun --standalone --nproc_per_node=3 labs/low_communication.py \\
                           --method diloco --sync-every 8
   GPU box, NCCL:        torchrun --standalone --nproc_per_node=8 labs/low_communication.py \\
-                          --steps 64 --slow-ns-per-byte 0 --out lowcomm8.json
+                          --steps 32 --out lowcomm8.json
   two nodes (run on each, HOST = node 0's address):
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
              --rdzv-id=lowcomm labs/low_communication.py --steps 64 --out lowcomm16.json
