@@ -18,8 +18,8 @@ momentum is DDP with SGD (their parameters differ by fp32 rounding at most), and
 without error feedback (its loss against the one with it).
 
 The slowed link (--slow-ns-per-byte): before each collective the issuing thread sleeps that
-long for every byte the rank sends (labkit.runtime.collectives.SlowLink), so the time a
-method saves is the bytes it does not send. The predicted step time is the same run's
+long for every byte the rank sends (labkit.runtime.collectives.SlowLink), so each byte a
+method sends adds the same wait, and nothing overlaps it. The predicted step time is the same run's
 step without communication, plus each all-reduce's alpha + bytes / beta, alpha and beta
 fitted on the same link in the same launch (labkit/predict/low_communication_model.py).
 
@@ -206,7 +206,7 @@ def build(name, initial, env, args, error_feedback=True):
         state = powersgd.PowerSGDState(
             process_group=None, matrix_approximation_rank=args.powersgd_rank,
             start_powerSGD_iter=model.POWERSGD_START_ITER, use_error_feedback=error_feedback,
-            warm_start=error_feedback, random_seed=args.seed)
+            warm_start=True, random_seed=args.seed)   # only error feedback is switched off
         return DDPMethod(initial, env, powersgd.powerSGD_hook, state)
     if name == "local_sgd":
         return LocalSteps(initial, adamw, layer_fragments(1), every)
@@ -337,7 +337,7 @@ def compute_only(initial, args, env):
 
 def diloco_h1_check(initial, args, env):
     """DiLoCo with one inner SGD step and an outer SGD of rate 1, no momentum, against DDP
-    with the same SGD: the largest parameter difference after --steps steps."""
+    with the same SGD: the largest parameter difference after CHECK_STEPS steps."""
     sgd = lambda params: torch.optim.SGD(params, lr=0.1)   # noqa: E731
     outer = lambda params: torch.optim.SGD(params, lr=1.0)   # noqa: E731
     diloco = LocalSteps(initial, sgd, layer_fragments(1), lambda step: [0], outer)

@@ -110,11 +110,10 @@ def bytes_sent_per_rank(method, steps, shapes, world_size, **options):
 
 def peak_bytes_per_sync(method, shapes, world_size, **options):
     """The most bytes a rank sends in any one step: what the link must carry at once."""
-    period = options.get("sync_every", 1)
-    start = POWERSGD_START_ITER if method == "powersgd" else 0
+    steps = max(options.get("sync_every", 1), POWERSGD_START_ITER)   # PowerSGD's plain steps too
     return max(sum(comm_model.bytes_sent_per_rank("all_reduce", Fraction(v * b), world_size)
                    for v, b in values_all_reduced(method, step, shapes, **options))
-               for step in range(start, start + period))
+               for step in range(steps))
 
 
 def powersgd_flops(shapes, rank, min_compression_rate=POWERSGD_MIN_COMPRESSION_RATE):
