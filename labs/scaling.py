@@ -42,6 +42,7 @@ Launch lines (from the repository root):
   a trace per rank:      torchrun --standalone --nproc_per_node=2 labs/scaling.py \\
                            --strategy ddp --profile prof/
                          python labs/trace.py analyze prof/*.json
+  a straggler made on purpose: ... --profile prof/ --slow-rank 1 --slow-ms 30
   two nodes (run on each, HOST = node 0's address):
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
              --rdzv-id=scaling labs/scaling.py --strategy ddp --scaling weak --out s16.json
@@ -62,6 +63,7 @@ largest first.
 import copy
 import dataclasses
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -177,9 +179,12 @@ def measure(strategy, scaling, args, env, link, group=None):
     median, low, high = timing.summary(steps)
     trace = None
     if args.profile:   # extra steps, untimed: see labkit.runtime.profiling
+        def profiled_step():
+            if rank == args.slow_rank:   # a straggler on purpose: late to every step
+                time.sleep(args.slow_ms / 1e3)
+            train_step(wrapped, optimizer, ids, targets)
         trace = str(profiling.profile_steps(
-            args.profile, f"{strategy}-{scaling}-n{n}", env.device,
-            lambda: train_step(wrapped, optimizer, ids, targets)))
+            args.profile, f"{strategy}-{scaling}-n{n}", env.device, profiled_step))
     env.progress(f"{strategy}, {scaling}: compute alone")
     # 2. its parts alone: compute without communication, communication without compute
     compute = timing.compute_times(plain, torch.optim.SGD(plain.parameters(), lr=LEARNING_RATE),
@@ -249,10 +254,18 @@ def parse_args(argv=None):
                         help="strong: sequences per step in all; weak: sequences per rank")
     parser.add_argument("--steps", type=distenv.positive_int, default=STEPS, help="timed steps")
     profiling.add_profile_arg(parser)
+    parser.add_argument("--slow-rank", type=int, default=None, metavar="R",
+                        help="with --profile: rank R starts each profiled step --slow-ms late "
+                             "(a straggler made on purpose, for labs/trace.py to find)")
+    parser.add_argument("--slow-ms", type=distenv.number_above(0, inclusive=True), default=0.0,
+                        help="how late the --slow-rank starts each profiled step (ms)")
     parser.add_argument("--warmup", type=distenv.at_least(0), default=WARMUP,
                         help="untimed first steps")
     distenv.add_sub_worlds_arg(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.slow_rank is not None and args.profile is None:
+        distenv.fail("--slow-rank slows the profiled steps: give --profile DIR too")
+    return args
 
 
 def measure_all(args, env, group=None):

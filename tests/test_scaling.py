@@ -131,3 +131,10 @@ def test_flat_allreduce_times_give_no_fit_and_no_prediction(monkeypatch):
     alpha, beta, why = scaling.fit_link(env, 3)
     assert alpha is None and beta is None and "do not grow" in why
     assert scaling.predicted_comm([("all_reduce", 1 << 20)], 8, alpha, beta) is None
+
+
+def test_a_straggler_made_on_purpose_needs_a_profile():
+    assert_refused(scaling.parse_args, ["--slow-rank", 1, "--slow-ms", 5],
+                   "--slow-rank slows the profiled steps: give --profile DIR too")
+    args = scaling.parse_args(["--profile", "prof", "--slow-rank", "1", "--slow-ms", "5"])
+    assert (args.slow_rank, args.slow_ms) == (1, 5.0)
