@@ -418,8 +418,8 @@ def test_data_parallel_groups_across_nodes_are_hierarchical():
         if size <= per_node:
             assert got == comm_model.allreduce_time(bytes_, size, *hw.nvlink)
         else:
-            assert got == time_model.hierarchical_allreduce_time(bytes_, size, per_node,
-                                                                 hw.nvlink, hw.network)
+            assert got == time_model.nccl_allreduce_time(bytes_, size, per_node,
+                                                         hw.nvlink, hw.network)
             assert planner.group_time("reduce_scatter", bytes_, size, per_node, hw) == \
                 time_model.hierarchical_shard_collective_time(bytes_, size, per_node,
                                                               hw.nvlink, hw.network)

@@ -103,13 +103,16 @@ def internode_bytes_per_nic(strategy, bytes_, gpus_per_node, nodes):
     hybrid_shard  ZeRO-3 inside each node (on NVLink), replicas across nodes: each GPU
                   all-reduces its 1/G share of the gradients with the same local rank of
                   the other nodes: 2 (M-1)/M x bytes / G.
-    ddp           the hierarchical all-reduce: the same 2 (M-1)/M x bytes / G.
+    ddp           NCCL's flat ring all-reduce through all N ranks (tuning.cc prices no
+                  hierarchical one), one channel per card: 2 (N-1)/N x bytes / G.
     """
     g, m = gpus_per_node, nodes
     n = g * m
     if strategy == "full_shard":
         return 3 * (n - 1) / n * bytes_ / g
-    if strategy in ("hybrid_shard", "ddp"):
+    if strategy == "ddp":
+        return 2 * (n - 1) / n * bytes_ / g
+    if strategy == "hybrid_shard":
         return 2 * (m - 1) / m * bytes_ / g
     raise ValueError(f"unknown strategy {strategy!r}; choose full_shard, hybrid_shard or ddp")
 

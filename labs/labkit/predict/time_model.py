@@ -165,11 +165,6 @@ def nccl_allreduce_time(bytes_, world_size, gpus_per_node, intra, inter):
                nccl_tree_allreduce_time(bytes_, world_size, gpus_per_node, intra, inter))
 
 
-# The name the scaling chapter and the planner called this model by, when it was modelled as
-# a reduce-scatter, a per-card all-reduce and an all-gather (which NCCL runs only as CollNet
-# or NVLS-tree): kept so that they keep working.
-hierarchical_allreduce_time = nccl_allreduce_time
-
 
 def nccl_crossover_bytes(world_size, gpus_per_node, intra, inter):
     """Message size above which NCCL's ring is faster than its tree under the two models
