@@ -147,6 +147,8 @@ def colons_followed_by_nothing(markup):
                 or "admonition-title" in (p.get("class") or []):
             continue
         following = p.find_next_sibling()
+        if following is not None and following.name in ("p", "ul", "ol", "dl"):
+            continue   # prose introducing prose: the paragraphs or the list right after it
         # empty boxes (a cell that printed nothing) are not something shown
         while following is not None and following.name == "div" \
                 and not shows_something(following):
