@@ -146,7 +146,12 @@ def held_param_bytes(model):
     tensors = [distenv.local_tensor(p) for p in model.parameters()]
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            for group in module._get_fsdp_state()._fsdp_param_groups:
+            state = module._get_fsdp_state()
+            # torch 2.11 holds a list of groups; 2.6-2.10 one group, or None for the root
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:
+                groups = [g for g in [getattr(state, "_fsdp_param_group", None)] if g]
+            for group in groups:
                 for fsdp_param in group.fsdp_params:
                     tensors += [fsdp_param._sharded_param_data,
                                 *getattr(fsdp_param, "all_gather_outputs", [])]

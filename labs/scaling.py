@@ -307,6 +307,9 @@ def measure_all(args, env, group=None):
 def main():
     args = parse_args()
     with distenv.initialize(args) as env:
+        if args.slow_rank is not None and not 0 <= args.slow_rank < env.world_size:
+            distenv.fail(f"--slow-rank {args.slow_rank} is not a rank of a world of "
+                         f"{env.world_size}")
         result = distenv.measure_with_sub_worlds(
             env, args.sub_worlds, lambda world: measure_all(args, world, world.group),
             check=lambda size: check_batch(args, size))

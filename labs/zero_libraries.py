@@ -106,6 +106,10 @@ class DeepSpeedRun:
             deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         self.deepspeed, self.stage = deepspeed, stage
         self.config = deepspeed_config(stage, env.world_size, persistence_threshold)
+        # DeepSpeed reads LOCAL_RANK to choose its device, which torchrun sets and a plain
+        # `python` world of one does not; this rank's own GPU, not torchrun's local rank
+        # (two agents on one host number their ranks from 0 each)
+        os.environ.setdefault("LOCAL_RANK", str(env.device.index or 0))
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                config=self.config)
         self.version = deepspeed.__version__

@@ -42,7 +42,8 @@ def test_lab_keeps_its_tensors_on_its_device(lab):
     nproc, args = SMALLEST[lab]
     result = run_lab(lab, nproc, args, env=GUARD, echo=False)
     assert result["device_guard"] is True and result["device"] == "cpu"
-    not_run = {name: v["not_run"] for name, v in (result.get("variants") or {}).items()
+    variants = {**(result.get("variants") or {}), **(result.get("libraries") or {})}
+    not_run = {name: v["not_run"] for name, v in variants.items()
                if isinstance(v, dict) and "not_run" in v}
     assert not not_run, not_run   # under the guard a variant failing is a device error
 

@@ -120,6 +120,12 @@ def timed_torch_stage(clock, timeout_s=0.0):
             wait_for_work(work, clock.device, timeout_s)
         clock.waited(start, time.perf_counter())
 
+    if not hasattr(schedules, "_wait_batch_p2p"):
+        # torch 2.6 and 2.7 wait inside _batch_p2p itself (and on gloo on one work of
+        # several, pytorch#132644): there is no one place to time the waits
+        from ..runtime.distenv import VariantNotRun
+        raise VariantNotRun(f"torch {torch.__version__} has no schedules._wait_batch_p2p "
+                            f"(torch 2.8 and newer): its waits cannot be timed")
     schedules._wait_batch_p2p = timed_wait
 
     class TimedStage(PipelineStage):

@@ -18,6 +18,7 @@ from torch.distributed import ProcessGroup
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .distenv import dtensor_class
+from .timing import wait_for_work
 
 # op name (as the dispatcher names it, without namespace and overload) ->
 # (collective, how to get the full tensor's bytes from the op's arguments)
@@ -113,8 +114,10 @@ class SlowLink(CountCollectives):
 
     Completing each collective at once also keeps the count whole: a communication hook
     such as torch's PowerSGD issues its next all-reduce in a callback of the last one's
-    future, which would otherwise run on the backend's own thread, where no mode is
-    active; on a completed future the callback runs here."""
+    future, which would otherwise run on gloo's own thread, where no mode is active; on a
+    completed future the callback runs here. (NCCL marks a work's future complete when it
+    is enqueued, so there the callbacks run inline anyway; its wait() only orders the
+    stream, so the host waits for the work itself, timing.wait_for_work.)"""
 
     def __init__(self, counter, ns_per_byte, by_group=None):
         super().__init__(counter, by_group)
@@ -129,5 +132,12 @@ class SlowLink(CountCollectives):
         if func.namespace == "c10d" and isinstance(out, tuple) and out:
             work = out[-1]
             if isinstance(work, torch.ScriptObject):
-                Work.unbox(work).wait()
+                work = Work.unbox(work)
+                tensors = [t for t in out[0] if isinstance(t, torch.Tensor)] \
+                    if isinstance(out[0], (list, tuple)) else []
+                if tensors and tensors[0].is_cuda:
+                    # NCCL's wait() only orders the stream: the host waits as the labs do
+                    wait_for_work(work, tensors[0].device)
+                else:
+                    work.wait()
         return out
