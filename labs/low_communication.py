@@ -46,6 +46,7 @@ predicted_step_time_s {plain, slowed}, max_param_diff_vs_ddp} or {not_run}}; `li
 
 import copy
 import dataclasses
+import inspect
 import math
 import statistics
 import time
@@ -53,6 +54,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+from torch.nn.parallel import DistributedDataParallel
 
 from labkit.model.transformer import Shape, Transformer, next_token_loss
 from labkit.parallel.strategies import apply_ddp
@@ -86,6 +88,13 @@ def pattern_batch(args, step, rank, device):
     return ids[:, :-1], ids[:, 1:]
 
 
+# DDP's switch for its broadcast of buffers before every forward: forward_sync_buffers from
+# torch 2.13, which deprecates broadcast_buffers (the only name before it)
+NO_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in
+                  inspect.signature(DistributedDataParallel).parameters else
+                  {"broadcast_buffers": False})
+
+
 class DDPMethod:
     """DDP with AdamW, and an optional communication hook."""
 
@@ -93,7 +102,7 @@ class DDPMethod:
         # the model's only buffers are its causal masks, the same on every rank: nothing
         # to broadcast each step (a model with norm statistics would need them synced)
         self.model = apply_ddp(copy.deepcopy(initial), env.device, hook, state,
-                               broadcast_buffers=False)
+                               **NO_BUFFER_SYNC)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=INNER_LR)
 
     def step(self, step, ids, targets):
