@@ -72,7 +72,9 @@ POWERSGD_RANK = 2
 INNER_LR = 3e-3             # AdamW, every method's (DiLoCo's inner) optimizer
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9   # DiLoCo's outer Nesterov SGD (the paper's values)
 SLOW_NS_PER_BYTE = 20.0     # the slowed link: 50 MB/s a rank
-FIT_SIZES = (2**14, 2**18, 2**20)      # bytes all-reduced to fit alpha and beta
+# bytes all-reduced to fit alpha and beta: up to 4 MiB, where a fast link's time grows with
+# the size well past its latency's noise (at 1 MiB and below, loopback gloo can fit no slope)
+FIT_SIZES = (2**16, 2**20, 2**22)
 CHECK_STEPS = 6             # steps of the two checks (DiLoCo as DDP, PowerSGD without feedback)
 
 
@@ -278,7 +280,7 @@ def fit_link(env, ns_per_byte):
         for size in FIT_SIZES:
             tensor = torch.zeros(size // 4, device=env.device)
             samples = []
-            for _ in range(5):
+            for _ in range(7):
                 dist.barrier()
                 start = time.perf_counter()
                 dist.all_reduce(tensor)
