@@ -1,5 +1,5 @@
 """Pipeline parallelism: GPipe and 1F1B built from scratch beside torch's schedules, the
-bubble measured from each stage's timeline against (p-1)/(m+p-1).
+zero-bubble ones included, the bubble measured from each stage's timeline against its model.
 
 The world's N ranks are p = N pipeline stages. The course's transformer is cut into p
 contiguous pieces (embedding with the first, head with the last); each step's batch is cut
@@ -13,15 +13,23 @@ that trains the whole model on the whole batch.
   torch_gpipe        torch.distributed.pipelining's ScheduleGPipe
   torch_1f1b         its Schedule1F1B
   torch_interleaved  its ScheduleInterleaved1F1B, --chunks pieces per rank
+  torch_zb1p         its ScheduleInterleavedZeroBubble (Qi et al.'s ZB-H1 over --chunks
+                     pieces per rank): the backward split into I (the input's gradient) and
+                     W (the weights'), the W's moved into the drain
+  torch_zbv          its ScheduleZBVZeroBubble (their ZB-V): two pieces per rank in a V,
+                     rank r holding pieces r and 2p-1-r
+  torch_dualpipev    its ScheduleDualPipeV (DeepSeek's DualPipe cut in half), the same V;
+                     m >= 2p
   no_loss_scale      pitfall: gpipe with each micro-batch's loss not divided by m
   recv_before_send   pitfall: each stage waits for a micro-batch's gradient before sending
                      its activations: a deadlock, ended by --timeout with one line
 
-Each forward and backward of a micro-batch on each stage is timed. With --compute-ms T
-every forward lasts exactly T ms and every backward 2T (the real work, then a sleep): a
-controlled-time experiment, in which the schedule alone sets the timeline, whatever the
-CPU is doing. Without it the timeline is that of the real computation, which on a shared
-CPU is not a GPU's.
+Each forward and backward of a micro-batch on each stage is timed, and where a schedule
+splits the backward, its I and its W apart. With --compute-ms T every forward lasts
+exactly T ms, every whole backward 2T, and every I and every W T (the real work, then a
+sleep; a rank's v pieces each take 1/v of that): a controlled-time experiment, in which
+the schedule alone sets the timeline, whatever the CPU is doing. Without it the timeline
+is that of the real computation, which on a shared CPU is not a GPU's.
 
 Launch lines (from the repository root):
   laptop, gloo on CPU:  torchrun --standalone --nproc_per_node=4 labs/pipeline.py \\
@@ -40,23 +48,26 @@ Launch lines (from the repository root):
 
 JSON: `pp`, `shape`, `batch`, `compute_ms`, `handoff_latency_samples_s`; `schedules`
 {name: {max_param_diff, expected_equal, step_time_s, bubble_fraction (idle time over p x
-step time, from the timeline), predicted_bubble_fraction (the textbook formula),
+step time, from the timeline), predicted_bubble_fraction (the textbook formula; for the
+zero-bubble schedules the walk of their order at equal F, I and W,
+time_model.zero_bubble_bubble_fraction),
 handoff_latency_s and handoff_latency_range_s (the median and smallest of this launch's
 handoff samples, and the largest plus the latest wake-up of the step's own ops),
 predicted_bubble_fraction_with_handoff (the step's critical path through its ops as they
 ran, joined by the median handoff) and predicted_bubble_fraction_with_handoff_range (by
 the smallest and largest), peak_microbatches_in_flight and
-predicted_peak_microbatches_in_flight (one per stage), p2p_bytes_per_rank and
+predicted_peak_microbatches_in_flight (one per stage; a micro-batch is held from its
+forward until its W or whole backward), p2p_bytes_per_rank and
 predicted_p2p_bytes_per_rank (one per rank), ops_over_compute_ms, profile (rank 0's trace
 with --profile, else null)}, or {not_run: why} for a torch schedule that could not run
 on this box} for the first
---microbatches value, and `timeline` {name: [{stage, op, microbatch, chunk, start_s,
-end_s, wait_s}]} of its last step (the one timed: the steps before it run unpadded),
-gathered from every rank (wait_s: when the stage waited for the op's input); `sweep`
-[{microbatches, batch, schedules, skipped}] for every value, `skipped` saying why a torch
-schedule did not run (its 1F1B schedule needs m >= p; its interleaved one an m that its
-m // p rounds divide). P2P bytes are counted over the
-second step (torch's schedules exchange a few bytes of set-up in their first), the
+--microbatches value, and `timeline` {name: [{stage, op, microbatch, chunk, piece,
+start_s, end_s, wait_s}]} (op F, B, or I and W) of its last step (the one timed: the steps
+before it run unpadded), gathered from every rank (wait_s: when the stage waited for the
+op's input); `sweep` [{microbatches, batch, schedules, skipped}] for every value,
+`skipped` saying why a torch schedule did not run (its 1F1B schedule needs m >= p; its
+interleaved ones an m that their m // p rounds divide; DualPipeV m >= 2p). P2P bytes are
+counted over the second step (torch's schedules exchange a few bytes of set-up in their first), the
 timeline is the last step's.
 The handoff between stages (a message and the wake-up of the rank waiting for it) is
 measured once per launch: micro-batches sent down the pipeline and back, with ops as long
@@ -90,8 +101,17 @@ BATCH = 16            # sequences per step: divisible by m = 1, 2, 4, 8, 16
 STEPS = 3             # set-up, counted, timed
 HANDOFF_ROUNDS = 8    # micro-batches sent down the pipeline and back, to time the handoff
 LEARNING_RATE = 0.1   # plain SGD: the result depends on the gradients alone
-SCHEDULES = ("gpipe", "1f1b", "torch_gpipe", "torch_1f1b", "torch_interleaved")
+SCHEDULES = ("gpipe", "1f1b", "torch_gpipe", "torch_1f1b", "torch_interleaved",
+             "torch_zb1p", "torch_zbv", "torch_dualpipev")
 PITFALLS = ("no_loss_scale", "recv_before_send")
+# the zero-bubble schedules: the lab's name, time_model's, and torch's class
+ZERO_BUBBLE = {"torch_zb1p": ("zb1p", "ScheduleInterleavedZeroBubble"),
+               "torch_zbv": ("zbv", "ScheduleZBVZeroBubble"),
+               "torch_dualpipev": ("dualpipev", "ScheduleDualPipeV")}
+# one rank holds several pieces of the model: none of these runs on one stage
+MULTI_PIECE = ("torch_interleaved", *ZERO_BUBBLE)
+# the controlled length of each op, in forwards: a whole backward two, its halves one each
+OP_LENGTH = {"F": 1, "B": 2, "I": 1, "W": 1}
 
 
 def reference(shape, batch, args, device):
@@ -108,7 +128,81 @@ def reference(shape, batch, args, device):
 
 
 def chunks_of(name, args):
-    return args.chunks if name == "torch_interleaved" else 1
+    """Pieces of the model each rank holds under schedule `name`."""
+    if name in ("torch_interleaved", "torch_zb1p"):
+        return args.chunks
+    return 2 if name in ZERO_BUBBLE else 1   # the V: two pieces per rank
+
+
+def pieces_of(name, rank, p, v):
+    """Model pieces rank `rank` of p holds: r, r + p, ... (interleaved), or r and 2p-1-r (V)."""
+    if name in ZERO_BUBBLE:
+        return time_model.zero_bubble_pieces(ZERO_BUBBLE[name][0], p, rank, v)
+    return [chunk * p + rank for chunk in range(v)]
+
+
+class SplitBackwardClock(OpClock):
+    """OpClock for schedules that split the backward: under --compute-ms an I (the input's
+    gradient) and a W (the weights') each last one forward's time, so that the two halves
+    make a whole backward's two, the equal F, B and W of Qi et al.'s counts."""
+
+    @contextlib.contextmanager
+    def op(self, kind, microbatch, piece=0, wait=None):
+        whole = self.compute_s
+        if kind in ("I", "W") and whole is not None:
+            self.compute_s = whole / 2   # OpClock pads every op but a forward to twice this
+        try:
+            with super().op(kind, microbatch, piece, wait):
+                yield
+        finally:
+            self.compute_s = whole
+
+
+def split_backward_stage(clock, timeout_s):
+    """timed_torch_stage's stage, with the halves of a split backward timed apart: I
+    (backward_one_chunk with full_backward=False, which the timed stage would call B) and
+    W (backward_weight_one_chunk)."""
+    from torch.distributed.pipelining import PipelineStage
+    timed = timed_torch_stage(clock, timeout_s)
+
+    class SplitBackwardStage(timed):
+        def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True,
+                               last_backward=False):
+            if full_backward:
+                return super().backward_one_chunk(bwd_chunk_id, loss=loss,
+                                                  last_backward=last_backward)
+            with clock.op("I", bwd_chunk_id, self.stage_index):
+                return PipelineStage.backward_one_chunk(self, bwd_chunk_id, loss=loss,
+                                                        full_backward=False,
+                                                        last_backward=last_backward)
+
+        def backward_weight_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+            with clock.op("W", bwd_chunk_id, self.stage_index):
+                return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    return SplitBackwardStage
+
+
+def zero_bubble_schedule(name, pieces, indices, num_pieces, m, device, input_example,
+                         output_example, stage_class):
+    """torch's zero-bubble schedule `name` over this rank's pieces, as apply_pp builds the
+    others (each micro-batch's loss divided by m, torch's own division off), or
+    VariantNotRun where this torch lacks the class."""
+    import inspect
+
+    from torch.distributed.pipelining import schedules
+    class_name = ZERO_BUBBLE[name][1]
+    schedule_class = getattr(schedules, class_name, None)
+    if schedule_class is None:
+        raise distenv.VariantNotRun(f"torch {torch.__version__} has no {class_name}")
+    stages = [stage_class(piece, index, num_pieces, device, input_args=input_example(index),
+                          output_args=output_example(index))
+              for piece, index in zip(pieces, indices)]
+    options = {}
+    if "scale_grads" in inspect.signature(schedule_class.__init__).parameters:
+        options["scale_grads"] = False
+    return schedule_class(stages, m, loss_fn=lambda output, target: next_token_loss(
+        output, target) / m, **options)
 
 
 class Pipeline:
@@ -118,11 +212,12 @@ class Pipeline:
         self.name, self.m, self.env = name, m, env
         timeout_s = args.timeout   # every wait for a message gives up after it
         p, v = env.world_size, chunks_of(name, args)
-        self.indices = [chunk * p + env.rank for chunk in range(v)]
+        self.indices = pieces_of(name, env.rank, p, v)
+        self.last_piece = p * v - 1
         torch.manual_seed(args.seed)   # the reference's initial weights, made as it makes them
         all_pieces = split_pieces(Transformer(shape, device=env.device), p * v)
-        self.clock = OpClock(None if args.compute_ms is None else args.compute_ms / 1e3 / v,
-                             device=env.device)
+        self.clock = SplitBackwardClock(
+            None if args.compute_ms is None else args.compute_ms / 1e3 / v, device=env.device)
         self.pieces = [all_pieces[k] for k in self.indices]
         micro = args.batch // m
         self.activation_shape = (micro, shape.seq, shape.hidden)
@@ -132,13 +227,19 @@ class Pipeline:
             activation = lambda *shape: torch.zeros(shape, device=env.device,  # noqa: E731
                                                     requires_grad=True)
             ids = torch.zeros((micro, shape.seq), dtype=torch.long, device=env.device)
-            self.torch_schedule = apply_pp(
-                self.pieces, self.indices, p * v, name.removeprefix("torch_"), m,
-                next_token_loss, env.device,
+            examples = dict(
                 input_example=lambda k: ids if k == 0 else activation(*self.activation_shape),
                 output_example=lambda k: activation(micro, shape.seq, shape.vocab) if k == last
-                else activation(*self.activation_shape),
-                stage_class=timed_torch_stage(self.clock, timeout_s))
+                else activation(*self.activation_shape))
+            if name in ZERO_BUBBLE:
+                self.torch_schedule = zero_bubble_schedule(
+                    name, self.pieces, self.indices, p * v, m, env.device,
+                    stage_class=split_backward_stage(self.clock, timeout_s), **examples)
+            else:
+                self.torch_schedule = apply_pp(
+                    self.pieces, self.indices, p * v, name.removeprefix("torch_"), m,
+                    next_token_loss, env.device,
+                    stage_class=timed_torch_stage(self.clock, timeout_s), **examples)
         self.scratch_options = dict(scale_loss=name != "no_loss_scale",
                                     recv_before_send=name == "recv_before_send")
         self.optimizer = torch.optim.SGD([q for piece in self.pieces for q in piece.parameters()],
@@ -147,15 +248,19 @@ class Pipeline:
     def run_schedule(self, ids, targets, timeout_s):
         """Forward and backward of every micro-batch: the gradients, not yet applied."""
         env, p = self.env, self.env.world_size
-        first, last = env.rank == 0, env.rank == p - 1
         if not self.name.startswith("torch_"):
+            first, last = env.rank == 0, env.rank == p - 1
             kind = "gpipe" if self.name in ("no_loss_scale", "recv_before_send") else self.name
             run_schedule(self.pieces[0], schedule_order(kind, p, env.rank, self.m), env.rank,
                          p, ids.chunk(self.m), targets.chunk(self.m), next_token_loss,
                          clock=self.clock, prev_rank=env.rank - 1, next_rank=env.rank + 1,
                          activation_shape=self.activation_shape, device=env.device,
                          timeout_s=timeout_s, **self.scratch_options)
-        elif first and last:
+            return
+        # torch's schedules take the inputs where the first piece is, the targets where the
+        # last is: rank 0 for both in a V
+        first, last = 0 in self.indices, self.last_piece in self.indices
+        if first and last:
             self.torch_schedule.step(ids, target=targets)
         elif first:
             self.torch_schedule.step(ids)
@@ -195,7 +300,7 @@ def run_one(name, shape, m, args, env, expected, handoffs, profile=False):
         pipeline.optimizer.step()
         pipeline.optimizer.zero_grad(set_to_none=True)
     events = [{"stage": env.rank, "op": op, "microbatch": i, "chunk": piece // env.world_size,
-               "start_s": t0 - start, "end_s": t1 - start,
+               "piece": piece, "start_s": t0 - start, "end_s": t1 - start,
                "wait_s": None if wait is None else [wait[0] - start, wait[1] - start]}
               for op, i, piece, t0, t1, wait in pipeline.clock.events]
     mine = {"elapsed": elapsed, "events": events, "sent": int(counter.sent),
@@ -209,7 +314,8 @@ def run_one(name, shape, m, args, env, expected, handoffs, profile=False):
     p, v = env.world_size, chunks_of(name, args)
     step_time = max(r["elapsed"] for r in ranks)
     busy = sum(e["end_s"] - e["start_s"] for r in ranks for e in r["events"])
-    kind = "interleaved" if v > 1 else ("1f1b" if "1f1b" in name else "gpipe")
+    kind = (ZERO_BUBBLE[name][0] if name in ZERO_BUBBLE else "interleaved" if v > 1
+            else "1f1b" if "1f1b" in name else "gpipe")
     # The prediction with the handoff: the ops as they ran on each rank (their order, and
     # each one's time from its input in hand to its end), what each rank spent between
     # ops before it could take the next input (posting what the last one made: measured
@@ -223,7 +329,7 @@ def run_one(name, shape, m, args, env, expected, handoffs, profile=False):
     for rank, r in enumerate(ranks):
         previous = 0.0
         for e in sorted(r["events"], key=lambda e: e["start_s"]):
-            orders[rank].append((e["op"], e["microbatch"], e["chunk"] * p + rank))
+            orders[rank].append((e["op"], e["microbatch"], e["piece"]))
             wait_start, in_hand = e["wait_s"] or (e["start_s"], e["start_s"])
             before_input[rank].append(max(0.0, wait_start - previous))
             durations[rank].append(e["end_s"] - in_hand)
@@ -244,22 +350,33 @@ def run_one(name, shape, m, args, env, expected, handoffs, profile=False):
     with_handoff = [time_model.pipeline_bubble_with_handoff(orders, durations, latency,
                                                             before_input, busy)
                     for latency in handoff]
+    numel = args.batch // m * shape.seq * shape.hidden   # one micro-batch's activations
+    if name in ZERO_BUBBLE:
+        # the step of the schedule's own order at equal F, I and W (only their ratio counts)
+        predicted = time_model.zero_bubble_bubble_fraction(kind, p, m, 1, 1, 1, v)
+        held = memory_model.zero_bubble_peak_microbatches(kind, p, m, v)
+        # a V's two arms are two pipelines of p stages, each carrying all m micro-batches
+        # (nothing crosses at the tip, where both pieces are rank p-1's)
+        sent = (comm_model.pipeline_p2p_bytes_per_rank(p, m, numel, v) if kind == "zb1p"
+                else comm_model.pipeline_p2p_bytes_per_rank(p, 2 * m, numel))
+    else:
+        predicted = time_model.pipeline_bubble_fraction(p, m, v)
+        held = memory_model.pipeline_peak_microbatches(kind, p, m, v)
+        sent = comm_model.pipeline_p2p_bytes_per_rank(p, m, numel, v)
     result = {
         "max_param_diff": distenv.max_param_diff(own, ref, env.device),
         "expected_equal": name != "no_loss_scale" or m == 1,
         "step_time_s": step_time,
         "bubble_fraction": 1 - busy / (p * step_time),
-        "predicted_bubble_fraction": time_model.pipeline_bubble_fraction(p, m, v),
+        "predicted_bubble_fraction": predicted,
         "handoff_latency_s": handoff[0],
         "handoff_latency_range_s": list(handoff[1:]),
         "predicted_bubble_fraction_with_handoff": with_handoff[0],
         "predicted_bubble_fraction_with_handoff_range": with_handoff[1:],
         "peak_microbatches_in_flight": [peak_in_flight(r["events"]) for r in ranks],
-        "predicted_peak_microbatches_in_flight":
-            memory_model.pipeline_peak_microbatches(kind, p, m, v),
+        "predicted_peak_microbatches_in_flight": held,
         "p2p_bytes_per_rank": [r["sent"] for r in ranks],
-        "predicted_p2p_bytes_per_rank": comm_model.pipeline_p2p_bytes_per_rank(
-            p, m, args.batch // m * shape.seq * shape.hidden, v),
+        "predicted_p2p_bytes_per_rank": sent,
         "ops_over_compute_ms": sum(r["over"] for r in ranks),
         "profile": None,
     }
@@ -305,15 +422,17 @@ def latest_wakeup(ranks, compute_s):
     sleep's wake-up, late on a busy machine); 0 without controlled time."""
     if compute_s is None:
         return 0.0
-    return max([0.0] + [e["end_s"] - e["start_s"] - compute_s * (1 if e["op"] == "F" else 2)
+    return max([0.0] + [e["end_s"] - e["start_s"] - compute_s * OP_LENGTH[e["op"]]
                         for r in ranks for e in r["events"]])
 
 
 def peak_in_flight(events):
-    """Most micro-batches (of any chunk) whose forward has run and backward not yet."""
+    """Most micro-batches (of any chunk) whose forward has run and whose backward has not
+    ended: its whole backward (B), or, split, its W (after its I a micro-batch keeps what
+    W reads)."""
     held = peak = 0
     for event in sorted(events, key=lambda e: e["start_s"]):
-        held += 1 if event["op"] == "F" else -1
+        held += {"F": 1, "I": 0, "W": -1, "B": -1}[event["op"]]
         peak = max(peak, held)
     return peak
 
@@ -369,9 +488,11 @@ def torch_refuses(name, m, p):
     """Why torch's schedule `name` will not run m micro-batches on p stages, or None."""
     if name == "torch_1f1b" and m < p:
         return "torch's 1f1b schedule needs at least as many micro-batches as stages"
-    if name == "torch_interleaved" and m % max(1, m // p):
-        return (f"torch's interleaved schedule runs m // p = {m // p} rounds, which must "
+    if name in ("torch_interleaved", "torch_zb1p") and m % max(1, m // p):
+        return (f"torch's interleaved schedules run m // p = {m // p} rounds, which must "
                 f"divide m")
+    if name == "torch_dualpipev" and m < 2 * p:
+        return "torch's DualPipeV needs at least as many micro-batches as stages, 2p"
     return None
 
 
@@ -387,15 +508,16 @@ def report(env, name, m, r):
 
 def check(args, world_size):
     """Every stage (and chunk) needs a layer, or the lab refuses to start."""
-    if world_size == 1 and "torch_interleaved" in args.schedule:
+    multi = [name for name in args.schedule if name in MULTI_PIECE]
+    if world_size == 1 and multi:
         if args.schedule == list(SCHEDULES):   # all: leave out what one stage cannot run
-            args.schedule.remove("torch_interleaved")
+            args.schedule = [name for name in args.schedule if name not in MULTI_PIECE]
         else:
-            distenv.fail("torch_interleaved needs at least 2 pipeline stages")
+            distenv.fail(f"{multi[0]} needs at least 2 pipeline stages")
     pieces = max(world_size * chunks_of(name, args) for name in args.schedule)
     if args.layers < pieces:
         distenv.fail(f"--layers {args.layers} cannot give each of {pieces} pipeline pieces "
-                     f"a layer ({world_size} stages x --chunks {args.chunks} interleaved)"
+                     f"a layer ({world_size} stages x {pieces // world_size} pieces each)"
                      if pieces > world_size else
                      f"--layers {args.layers} cannot give each of {world_size} stages a layer")
 

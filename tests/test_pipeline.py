@@ -1,10 +1,12 @@
-"""The pipeline lab: GPipe and 1F1B from scratch and torch's schedules, against one process
-trained on the whole batch; the bubble, the micro-batches in flight and the bytes sent,
-against the cost models. The chapter runs p = 2 and 4 under controlled time and asserts
-the same (pipeline.md, hidden cells: every schedule at p = 4, m = 1, 2, 4 and 8, and
-GPipe and 1F1B at p = 2, m = 1 to 8, and the deadlock's one line per stage); here p = 1
-and 3, the loss-scale pitfall, the traces of --profile, the device guard (p = 1 and 2),
-and bad input."""
+"""The pipeline lab: GPipe and 1F1B from scratch and torch's schedules, the zero-bubble ones
+included, against one process trained on the whole batch; the bubble, the micro-batches in
+flight and the bytes sent, against the cost models. The chapter runs p = 4 under
+controlled time and asserts the same (pipeline.md, hidden cells: its schedules at m = 2,
+4 and 8, and the deadlock's one line per stage); here p = 1 and 3 (every zero-bubble
+schedule at the odd p = 3: ZB-V and DualPipeV's V of 2p pieces needs no even p, DualPipeV
+only m >= 2p), the loss-scale pitfall, the traces of --profile, the device guard (p = 1
+and 2), bad input, and the zero-bubble cost models against torch's own orders and the
+published counts."""
 
 from pathlib import Path
 
@@ -13,6 +15,7 @@ import torch
 
 import pipeline
 from conftest import assert_fails_with_one_line, assert_lab_metadata, assert_refused
+from labkit.predict import memory_model, time_model
 from labkit.runtime.launch import run_lab
 from labkit.parallel.pipeline_schedules import schedule_order
 
@@ -24,8 +27,9 @@ COMPUTE_MS = 10
 TIMED = ["--compute-ms", COMPUTE_MS]
 # p -> (micro-batch counts, options): one launch per p, every schedule, m = 1 and m >= p;
 # one process times the real computation, the others run under controlled time
+# at p = 3: m = 1 (fewer than p), 4 (rounds of 4, not p) and 6 (DualPipeV's least, 2p)
 RUNS = {1: ("1,4", []),
-        3: ("1,3,5", [*TIMED, "--microbatch-size", "2"])}   # odd p; m that 16 does not divide
+        3: ("1,4,6", [*TIMED, "--microbatch-size", "2"])}   # odd p; m that 16 does not divide
 PROFILED = 3   # the launch that also writes traces of its first m (--profile)
 # The world of one runs under the device guard (distenv.device_guard_on): anything made
 # without naming its device would be a meta tensor and fail, as it would beside a GPU's.
@@ -38,9 +42,8 @@ GUARDED = 1
 def result(request, tmp_path_factory):
     p = request.param
     microbatches, options = RUNS[p]
-    schedules = ",".join(pipeline.SCHEDULES + ("no_loss_scale",))
-    if p == 1:
-        schedules = schedules.replace("torch_interleaved,", "")
+    schedules = ",".join(name for name in pipeline.SCHEDULES + ("no_loss_scale",)
+                         if p > 1 or name not in pipeline.MULTI_PIECE)   # one stage: one piece
     if p == PROFILED:
         options = [*options, "--profile", tmp_path_factory.mktemp("pipeline-profile")]
     return run_lab("pipeline", None if p == 1 else p, [
@@ -85,23 +88,29 @@ def test_torch_schedules_run_where_torch_allows_them(result):
     p = result["pp"]
     for entry in result["sweep"]:
         m, ran, skipped = entry["microbatches"], entry["schedules"], entry["skipped"]
-        # 1F1B refuses m < p; the interleaved schedule runs m // p rounds (at least one),
-        # which must divide m
+        # 1F1B refuses m < p; the interleaved schedules run m // p rounds (at least one),
+        # which must divide m; DualPipeV needs m >= 2p
         refused = ({"torch_1f1b"} if m < p else set()) | (
-            {"torch_interleaved"} if p > 1 and m % max(1, m // p) else set())
+            {"torch_interleaved", "torch_zb1p"} if p > 1 and m % max(1, m // p) else set()) | (
+            {"torch_dualpipev"} if p > 1 and m < 2 * p else set())
         assert set(skipped) == refused, (p, m)
-        assert "torch_gpipe" in ran and (p == 1 or "torch_interleaved" in set(ran) | refused)
+        # one stage runs none of the schedules that give a rank several pieces
+        assert "torch_gpipe" in ran and (set(pipeline.MULTI_PIECE) <= set(ran) | refused
+                                         if p > 1 else not set(pipeline.MULTI_PIECE) & set(ran))
+    if p == 3:   # the odd world runs every zero-bubble schedule at some m
+        assert set(pipeline.ZERO_BUBBLE) <= {name for entry in result["sweep"]
+                                             for name in entry["schedules"]}
 
 
 @ALONE
 @pytest.mark.parametrize("result", [PROFILED], indirect=True)
 def test_each_stage_s_trace_holds_its_sends_and_receives(result):
     """--profile: the traces of each schedule's two profiled steps at m = 1 (read by
-    labkit.predict.trace_reader): each of a rank's virtual stages k of V sends its
-    activation on unless it is the last and its input's gradient back unless it is the
-    first, and receives as many (the first and last stage once a step, the middle one
-    twice, without interleaving); and each rank has a bubble fraction, the share of its
-    window it spent not computing."""
+    labkit.predict.trace_reader): each of a rank's pieces k of V sends its activation on
+    unless it is the last and its input's gradient back unless it is the first, and
+    receives as many (the first and last stage once a step, the middle one twice, without
+    interleaving), except to a piece on its own rank (the two middle pieces of a V); and
+    each rank has a bubble fraction, the share of its window it spent not computing."""
     from labkit.predict import trace_reader
     first = result["sweep"][0]
     assert first["microbatches"] == 1
@@ -111,9 +120,11 @@ def test_each_stage_s_trace_holds_its_sends_and_receives(result):
                                           for p in traces])["ranks"]
         assert list(ranks) == [0, 1, 2], name
         v = pipeline.chunks_of(name, pipeline.parse_args([]))
+        rank_of = {k: r for r in range(3) for k in pipeline.pieces_of(name, r, 3, v)}
         for rank, t in ranks.items():
-            stages = [chunk * 3 + rank for chunk in range(v)]
-            per_step = sum((k < 3 * v - 1) + (k > 0) for k in stages)
+            per_step = sum((k < 3 * v - 1 and rank_of[k + 1] != rank)
+                           + (k > 0 and rank_of[k - 1] != rank)
+                           for k in pipeline.pieces_of(name, rank, 3, v))
             assert t["collectives"] == {"recv": 2 * per_step, "send": 2 * per_step}, (name, rank)
             assert 0 < t["bubble_fraction"] < 1
 
@@ -131,8 +142,13 @@ def test_in_flight_and_bytes_equal_the_prediction_exactly(result):
         assert entry["schedules"]["1f1b"]["peak_microbatches_in_flight"] == [
             min(p - s, m) for s in range(p)]
         one_way = m * micro * SHAPE.seq * SHAPE.hidden * 4
-        assert entry["schedules"]["gpipe"]["p2p_bytes_per_rank"] == (
-            [0] if p == 1 else [one_way] + [2 * one_way] * (p - 2) + [one_way])
+        gpipe_sent = [0] if p == 1 else [one_way] + [2 * one_way] * (p - 2) + [one_way]
+        assert entry["schedules"]["gpipe"]["p2p_bytes_per_rank"] == gpipe_sent
+        # a V's micro-batch crosses the ranks down and back up: twice GPipe's bytes
+        for name in ("torch_zbv", "torch_dualpipev"):
+            if name in entry["schedules"]:
+                assert entry["schedules"][name]["p2p_bytes_per_rank"] == [
+                    2 * b for b in gpipe_sent], (m, name)
 
 
 @ALONE
@@ -148,9 +164,12 @@ def test_the_bubble_under_controlled_time_follows_the_prediction_with_the_handof
     for entry in result["sweep"]:
         m = entry["microbatches"]
         for name, r in entry["schedules"].items():
-            if name == "torch_interleaved":
-                continue   # its own formula, checked in the chapter
-            assert r["predicted_bubble_fraction"] == (p - 1) / (m + p - 1)
+            if name in pipeline.ZERO_BUBBLE:   # the walk of its order, equal F, I and W
+                assert r["predicted_bubble_fraction"] == \
+                    time_model.zero_bubble_bubble_fraction(pipeline.ZERO_BUBBLE[name][0], p,
+                                                           m, 1, 1, 1)
+            elif name != "torch_interleaved":   # its own formula, checked in the chapter
+                assert r["predicted_bubble_fraction"] == (p - 1) / (m + p - 1)
             low, high = r["predicted_bubble_fraction_with_handoff_range"]
             assert low <= r["predicted_bubble_fraction_with_handoff"] <= high
             lowest, highest = pipeline.bubble_bounds(r)
@@ -167,7 +186,8 @@ def test_one_process_runs_every_schedule_under_the_device_guard(result):
 
 
 def test_two_stages_run_every_schedule_under_the_device_guard():
-    """Two stages, every schedule, under the device guard: the sends' and receives' buffers,
+    """Two stages, every schedule that takes m = 2 (all but DualPipeV), under the device
+    guard: the sends' and receives' buffers,
     torch's stages and the handoff probe are all made on the run's device, and the results
     are those of an unguarded run (each exactly as predicted, or within 1e-5 of one
     process)."""
@@ -175,7 +195,9 @@ def test_two_stages_run_every_schedule_under_the_device_guard():
                      echo=False)
     assert result["device_guard"] is True and result["backend"] == "gloo"
     ran = result["schedules"]
-    assert set(ran) == set(pipeline.SCHEDULES), ran
+    # DualPipeV needs m >= 2p; its stages and runtime are ZB-V's, which runs here
+    assert set(ran) == set(pipeline.SCHEDULES) - {"torch_dualpipev"}, ran
+    assert set(result["sweep"][0]["skipped"]) == {"torch_dualpipev"}
     for name, r in ran.items():
         assert r["max_param_diff"] <= 1e-5, name
         assert r["peak_microbatches_in_flight"] == r["predicted_peak_microbatches_in_flight"]
@@ -245,3 +267,123 @@ def test_bad_input_is_refused_in_one_line(script):
                                "--microbatches 5 does not divide --batch 16")
     assert_fails_with_one_line(script("pipeline", "--schedule", "torch_interleaved"),
                                "needs at least 2 pipeline stages")
+
+
+# The zero-bubble cost models, without a launch: torch's own orders, the published counts,
+# and the memory they hold.
+
+def torch_zero_bubble_orders(schedule, p, m, v=2):
+    """{rank: [(op, micro-batch, piece)]}: torch's own order for every rank of `schedule`,
+    its overlapped pairs as their two ops. Each class computes every rank's order in its
+    constructor from a few attributes (_calculate_single_rank_operations), set here
+    directly: no stages, no process group."""
+    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining.schedules import _ComputationType as Op
+    name = dict(pipeline.ZERO_BUBBLE.values())[schedule]
+    if not hasattr(schedules, name):
+        pytest.skip(f"torch {torch.__version__} has no {name}")
+    plan = object.__new__(getattr(schedules, name))
+    plan.pp_group_size, plan._n_microbatches, plan.n_local_stages = p, m, v
+    plan._num_stages = plan.num_stages = v * p
+    plan.number_of_rounds = max(1, m // p)
+    plan.microbatches_per_round = m // plan.number_of_rounds
+    plan.pipeline_order = {r: plan._calculate_single_rank_operations(r) for r in range(p)}
+    letters = {Op.FORWARD: "F", Op.FULL_BACKWARD: "B", Op.BACKWARD_INPUT: "I",
+               Op.BACKWARD_WEIGHT: "W"}
+    orders = {}
+    for rank, actions in plan.pipeline_order.items():   # None: a slot left idle
+        ops = [sub for a in actions if a is not None
+               for sub in (a.sub_actions if a.computation_type == Op.OVERLAP_F_B else [a])]
+        orders[rank] = [(letters[a.computation_type], a.microbatch_index, a.stage_index)
+                        for a in ops]
+    return orders
+
+
+@pytest.mark.parametrize("schedule", time_model.ZERO_BUBBLE_SCHEDULES)
+def test_zero_bubble_orders_are_torchs_own(schedule):
+    """time_model.zero_bubble_order, which prices a step without torch, runs every rank's
+    ops in torch's order, at p = 1 to 5, the m torch takes among 1 to 6, 8, 9 and 12 (fewer
+    than p, p, between, multiples and not), v = 1 to 3."""
+    checked = 0
+    for p in range(1, 6):
+        for m in (1, 2, 3, 4, 5, 6, 8, 9, 12):
+            for v in ((1, 2, 3) if schedule == "zb1p" else (2,)):
+                if (schedule == "zb1p" and m % max(1, m // p)) or (
+                        schedule == "dualpipev" and m < 2 * p):
+                    continue   # torch refuses it
+                theirs = torch_zero_bubble_orders(schedule, p, m, v)
+                for rank in range(p):
+                    assert time_model.zero_bubble_order(schedule, p, rank, m, v) == \
+                        theirs[rank], (p, m, v, rank)
+                    checked += 1
+    assert checked >= 40   # the loop compared something (DualPipeV takes the fewest m)
+    with pytest.raises(ValueError, match="m >= 2p"):
+        time_model.zero_bubble_order("dualpipev", 3, 0, 5)
+
+
+def idle_per_rank(schedule, p, m, f, b, w, v=2):
+    """Seconds each rank idles in the walked step: the step less its busy time."""
+    pieces = len(time_model.zero_bubble_pieces(schedule, p, 0, v))
+    return time_model.zero_bubble_step_time(schedule, p, m, f, b, w, v) - \
+        pieces * m * (f + b + w)
+
+
+TIMES = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1.3, 1.7, 0.6), (1, 3, 0.2), (1, 1, 0.5),
+         (1, 0.5, 1), (1, 1, 2), (0.5, 1, 1)]   # (F, B, W): equal, and each one longest
+
+
+def test_published_counts_against_the_walk_of_the_orders():
+    """The published counts (time_model.published_bubble_s) against the critical path of
+    the orders: 1F1B's (p-1)(F+B+W) is the from-scratch 1F1B's walk with B + W as one
+    backward; Qi et al.'s ZB-H1 count (p-1)(F+B-W) is torch's ZB1P's exactly while W <= F
+    and W <= B, and (p-1) max(F, B) past them; ZB-V's 0 within each rank's span leaves
+    (p-1)F to a step that starts together; DualPipeV idles (p-1)F at equal times, below
+    DeepSeek-V3's count for the pair run whole, 2(p-1)F."""
+    for p in range(1, 6):
+        for f, b, w in TIMES:
+            for m in (p, 2 * p + 1, 4 * p):
+                one_f_one_b = {s: schedule_order("1f1b", p, s, m) for s in range(p)}
+                orders = {s: [(op, i, s) for op, i in order]
+                          for s, order in one_f_one_b.items()}
+                durations = {s: [f if op == "F" else b + w for op, _ in order]
+                             for s, order in one_f_one_b.items()}
+                walked = time_model.pipeline_step_time(orders, durations) - m * (f + b + w)
+                assert walked == pytest.approx(time_model.published_bubble_s("1f1b", p, f, b, w))
+                for v in (1, 2, 3):
+                    if m % max(1, m // p):
+                        continue
+                    idle = idle_per_rank("zb1p", p, m, f, b, w, v)
+                    assert idle == pytest.approx((p - 1) * max(f + b - w, f, b)), (p, m, f, b, w)
+                    if w <= min(f, b):
+                        assert idle == pytest.approx(
+                            time_model.published_bubble_s("zb1p", p, f, b, w))
+        for m in range(2 * p - 1, 4 * p + 1):
+            assert idle_per_rank("zbv", p, m, 1, 1, 1) == pytest.approx(
+                time_model.published_bubble_s("zbv", p, 1, 1, 1) + (p - 1))
+        for m in range(2 * p, 4 * p + 1):
+            assert idle_per_rank("dualpipev", p, m, 1, 1, 1) == pytest.approx(p - 1)
+            assert time_model.published_bubble_s("dualpipev", p, 1, 1, 1) == 2 * (p - 1)
+    with pytest.raises(ValueError, match="F = B = W"):
+        time_model.published_bubble_s("zbv", 4, 1, 1, 0.5)
+    # as fractions of the step: idle over idle plus each rank's busy time
+    assert time_model.published_bubble_fraction("zb1p", 4, 8, 1, 1, 1) == 3 / (3 + 48)
+    assert time_model.published_bubble_fraction("1f1b", 4, 8, 1, 1, 1) == 9 / (9 + 24) \
+        == time_model.pipeline_bubble_fraction(4, 8)
+
+
+def test_zero_bubble_memory_by_hand():
+    """Micro-batches held from their forward until their W: ZB1P (v-1) r + p on every rank
+    (r micro-batches per round), ZB-V 2p pieces' worth (p stages', 1F1B's first stage's),
+    DualPipeV 2p + 1 (DeepSeek-V3's PP + 1 over PP = 2p stages), once m is large; fewer
+    below."""
+    for p in range(1, 6):
+        for m in (2 * p, 3 * p, 4 * p):
+            for v in (1, 2, 3):
+                per_round = m // max(1, m // p)
+                assert memory_model.zero_bubble_peak_microbatches("zb1p", p, m, v) == \
+                    [(v - 1) * per_round + p] * p
+            assert memory_model.zero_bubble_peak_microbatches("zbv", p, m) == [2 * p] * p
+            assert memory_model.zero_bubble_peak_microbatches("dualpipev", p, m) == \
+                [2 * p + 1] * p
+    assert memory_model.zero_bubble_peak_microbatches("zbv", 4, 4) == [5, 6, 7, 8]
+    assert memory_model.zero_bubble_peak_microbatches("zb1p", 4, 2) == [4, 4, 4, 4]   # m v

@@ -641,3 +641,25 @@ def dualpipe_peak_microbatches(stages, microbatches):
         raise ValueError(f"DualPipe needs an even number of stages p and an even number "
                          f"of micro-batches m >= 2p, got p = {stages} and m = {microbatches}")
     return [((r, stages - r), (stages - 1 - r, r + 1)) for r in range(stages)]
+
+
+def zero_bubble_peak_microbatches(schedule, stages, microbatches, chunks=2):
+    """Per rank of a zero-bubble schedule (time_model.zero_bubble_order: zb1p, zbv,
+    dualpipev), the most piece-micro-batches it holds at once, from a forward until the
+    backward that frees it: its W, or its whole backward B. After its I a micro-batch keeps
+    only what W reads (each weight's input), less than before (Qi et al. 2024, Table 1), so
+    this counts what is held at all, not its size. A piece is 1/v of a rank's layers for
+    zb1p, half for zbv and dualpipev. With m large: zb1p (v-1) r + p on every rank (r
+    micro-batches per round, p when p divides m), p stage-sized ones at v = 2, 1F1B's first
+    stage's; zbv 2p, as many; dualpipev 2p + 1, one piece-micro-batch more (DeepSeek-V3's
+    Table 2: PP + 1 over PP = 2p stages)."""
+    from . import time_model   # the order is the time model's; it imports nothing of this
+    peaks = []
+    for stage in range(stages):
+        held = peak = 0
+        for op, _, _ in time_model.zero_bubble_order(schedule, stages, stage, microbatches,
+                                                     chunks):
+            held += {"F": 1, "I": 0, "W": -1, "B": -1}[op]
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks

@@ -328,7 +328,12 @@ def pipeline_step_time(orders, durations, handoff_s=0.0, before_input=None):
     and NCCL match a send with its receive before moving the data). `before_input` {rank: [seconds]}, if given, is what a rank spends after its
     previous op before it can take the next one's input (posting what the last op made).
     Pieces are numbered along the model (rank r holds pieces r, r + p, ...: one, or v
-    chunks when interleaved).
+    chunks when interleaved; r and 2p - 1 - r in a V, zero_bubble_order).
+
+    The ops are F (forward) and B (the whole backward), or, where a schedule splits the
+    backward (zero_bubble_order), I (the input's gradient, which the previous piece waits
+    for) and W (the weights' gradient, which no other piece waits for; it follows its own
+    I on the same rank, so the order alone places it).
 
     With equal forwards F, backwards B and no handoff, GPipe and 1F1B take
     (m + p - 1)(F + B), the textbook step (pipeline_bubble_fraction); a handoff adds its
@@ -345,7 +350,8 @@ def pipeline_step_time(orders, durations, handoff_s=0.0, before_input=None):
             while at[rank] < len(order):
                 op, i, piece = order[at[rank]]
                 needs = ((op, i, piece - 1) if op == "F" and piece > 0 else
-                         ("B", i, piece + 1) if op == "B" and piece < last_piece else None)
+                         _gradient_from(where, i, piece + 1)
+                         if op in ("B", "I") and piece < last_piece else None)
                 if needs is not None and needs not in ends:
                     break   # its input is not made yet: another rank goes first
                 ready = clock[rank] + (before_input[rank][at[rank]] if before_input else 0.0)
@@ -362,6 +368,13 @@ def pipeline_step_time(orders, durations, handoff_s=0.0, before_input=None):
         if not progressed:
             raise ValueError("the ops' orders wait on each other: the schedule deadlocks")
     return max(clock.values())
+
+
+def _gradient_from(where, microbatch, piece):
+    """The op of `piece` that makes micro-batch `microbatch`'s gradient for the piece before
+    it: its whole backward (B), or its input-gradient half (I) where the backward is split."""
+    whole = ("B", microbatch, piece)
+    return whole if whole in where else ("I", microbatch, piece)
 
 
 def pipeline_bubble_with_handoff(orders, durations, handoff_s, before_input=None, busy=None):
@@ -504,3 +517,231 @@ def document_causal_pairs_by_rank(doc_lengths, cp, layout):
         return pairs
     raise ValueError(f"unknown layout {layout!r}; choose from zigzag, per_document, "
                      "torch_per_document")
+
+
+# Zero-bubble schedules: the backward split in two, the input's gradient (I, which the
+# previous piece waits for) and the weights' gradient (W, which nothing waits for until the
+# optimizer step), and the W's moved into time a rank would otherwise idle (Qi et al.,
+# 2024); and DeepSeek-V3's DualPipe (§3.2.1) in its V-shaped form. The orders are those of
+# torch 2.13's schedules (torch/distributed/pipelining/schedules.py), written out here so
+# that a step can be priced without torch; tests/test_pipeline.py checks them against
+# torch's own.
+
+ZERO_BUBBLE_SCHEDULES = ("zb1p", "zbv", "dualpipev")
+
+
+def zero_bubble_pieces(schedule, stages, stage, chunks=2):
+    """[model pieces rank `stage` of `stages` holds, in the order of its local stages]:
+      zb1p       v = `chunks` pieces interleaved, r, r + p, ..., as the interleaved 1F1B
+      zbv, dualpipev   two pieces in a V, r and 2p - 1 - r: the first and the last piece
+                 share rank 0, and the two in the middle rank p - 1, where nothing is sent"""
+    if schedule == "zb1p":
+        return [chunk * stages + stage for chunk in range(chunks)]
+    if schedule in ("zbv", "dualpipev"):
+        return [stage, 2 * stages - 1 - stage]
+    raise ValueError(f"unknown schedule {schedule!r}; choose from "
+                     f"{', '.join(ZERO_BUBBLE_SCHEDULES)}")
+
+
+def zero_bubble_order(schedule, stages, stage, microbatches, chunks=2):
+    """[(op, micro-batch, piece)] rank `stage` of p = `stages` runs in one step of m =
+    `microbatches`, ops F (forward), I (input's gradient), W (weights' gradient) and B (a
+    whole backward, I and W in one op), on the pieces of zero_bubble_pieces:
+
+      zb1p       torch's ScheduleInterleavedZeroBubble, Qi et al.'s ZB-H1 over v chunks:
+                 the interleaved 1F1B's warm-up less one forward per hop, (v-1) r + p-1-s
+                 forwards (r micro-batches per round, as the interleaved 1F1B's), then an F
+                 and an I in turn; rank s starts to follow each I with the oldest W still
+                 due only after its first s I's, so the last rank defers p - 1 of them into
+                 the drain; the W's left run at the end
+      zbv        ScheduleZBVZeroBubble, their ZB-V (§6): 2(p-s) - 1 forwards of the first
+                 piece, s pairs of forwards (second piece, first), p - s rounds of F, I, W
+                 on the second piece, then F, I, W on the first piece and on the second in
+                 turn until every forward has run, the input gradients left, and the W's
+                 left last; torch plans max(m, 2p - 1) micro-batches and drops the ops past m
+      dualpipev  ScheduleDualPipeV, DualPipe cut in half (DeepSeek's DualPipe repository):
+                 2(p-1-s) forwards of the first piece, s + 1 pairs of forwards, p-1-s rounds
+                 of I, W, F on the second piece, the main phase, where a forward of one piece
+                 goes with a whole backward of the other (DualPipe overlaps each such pair;
+                 torch's runtime runs its two ops one after the other), then the backwards
+                 left, the later ones split into I and W, with the W's last; m >= 2p
+    """
+    p, s, m = stages, stage, microbatches
+    pieces = zero_bubble_pieces(schedule, p, s, chunks)
+    order, made = [], {}
+
+    def run(op, piece, microbatch=None):
+        """Append op on piece: the next micro-batch it has not run, or `microbatch`."""
+        key = ("I" if op == "B" else op, piece)   # a whole backward counts as an I
+        i = made.get(key, 0) if microbatch is None else microbatch
+        made[key] = made.get(key, 0) + 1
+        order.append((op, i, piece))
+        return i
+
+    def done(op, piece):
+        return made.get((op, piece), 0)
+
+    if schedule == "zb1p":
+        v, per_round = chunks, m // max(1, m // p)
+        warmup = min((v - 1) * per_round + p - 1 - s, m * v)
+        backwards = []   # the piece of each I run so far: the W's follow in that order
+        for k in range(m * v + warmup):
+            if k < m * v:
+                run("F", pieces[k // per_round % v])
+            if k >= warmup:
+                backwards.append(pieces[v - 1 - (k - warmup) // per_round % v])
+                run("I", backwards[-1])
+                if k - warmup >= s:
+                    run("W", backwards[sum(done("W", q) for q in pieces)])
+        for piece in backwards[sum(done("W", q) for q in pieces):]:
+            run("W", piece)
+        return order
+    first, second = pieces
+    if schedule == "zbv":
+        n = max(2 * p - 1, m)
+        for _ in range(2 * (p - s) - 1):
+            run("F", first)
+        for _ in range(s):
+            run("F", second)
+            run("F", first)
+        for _ in range(p - s):
+            run("F", second)
+            run("W", second, run("I", second))
+        while done("F", second) < done("F", first) or done("F", first) < n:
+            if done("F", first) < n:
+                run("F", first)
+            run("W", first, run("I", first))
+            run("F", second)
+            run("W", second, run("I", second))
+        for _ in range(s):
+            run("I", first)
+            run("I", second)
+        for _ in range(p - s):
+            run("I", first)
+            run("W", first)
+        for piece in (second, first):
+            while done("W", piece) < done("I", piece):
+                run("W", piece)
+        return [op for op in order if op[1] < m]
+    if m < 2 * p:
+        raise ValueError(f"DualPipeV needs m >= 2p micro-batches, got p = {p} and m = {m}")
+    waiting = []   # (piece, micro-batch) of each I whose W has not run, oldest first
+
+    def backward(split, piece):
+        i = run("I" if split else "B", piece)
+        if split:
+            waiting.append((piece, i))
+
+    def weight():
+        if waiting:
+            piece, i = waiting.pop(0)
+            run("W", piece, i)
+
+    for _ in range(2 * (p - 1 - s)):
+        run("F", first)
+    for _ in range(s + 1):
+        run("F", first)
+        run("F", second)
+    for _ in range(p - 1 - s):
+        backward(True, second)
+        weight()
+        run("F", second)
+    for _ in range(m - 2 * p + s + 1):   # the main phase: forward of one, backward of other
+        run("F", first)
+        backward(False, second)
+        run("F", second)
+        backward(False, first)
+    for _ in range(p - 1 - s):
+        backward(False, second)
+        run("F", second)
+        backward(False, first)
+    split = False   # from half-way through these, the backwards leave their W for later
+    for i in range(s + 1):
+        split = split or (i == (s + 1) // 2 and s % 2 == 1)
+        backward(split, second)
+        split = split or (i == (s + 1) // 2 and s % 2 == 0)
+        backward(split, first)
+    for _ in range(p - 1 - s):
+        weight()
+        backward(split, first)
+    while waiting:
+        weight()
+    return order
+
+
+def zero_bubble_step_time(schedule, stages, microbatches, forward_s, input_grad_s,
+                          weight_grad_s, chunks=2, handoff_s=0.0):
+    """Seconds of one step of `schedule` (zero_bubble_order) when each piece's forward of a
+    micro-batch lasts F = forward_s, its input's gradient B = input_grad_s and its weights'
+    W = weight_grad_s (a whole backward B + W): the step's critical path
+    (pipeline_step_time), `handoff_s` on every edge between two ranks. Times are a
+    piece's: 1/v of a rank's layers for zb1p, half for zbv and dualpipev."""
+    lengths = {"F": forward_s, "I": input_grad_s, "W": weight_grad_s,
+               "B": input_grad_s + weight_grad_s}
+    orders = {s: zero_bubble_order(schedule, stages, s, microbatches, chunks)
+              for s in range(stages)}
+    durations = {s: [lengths[op] for op, _, _ in order] for s, order in orders.items()}
+    return pipeline_step_time(orders, durations, handoff_s)
+
+
+def zero_bubble_bubble_fraction(schedule, stages, microbatches, forward_s, input_grad_s,
+                                weight_grad_s, chunks=2, handoff_s=0.0):
+    """The bubble (idle time over p x step time) of zero_bubble_step_time's step, any m and
+    any F, B and W. Each rank is busy m (F + B + W) per piece it holds; the bubble is what
+    the step adds. With F = B = W and m large: (p-1) F idle per rank for all three."""
+    pieces = len(zero_bubble_pieces(schedule, stages, 0, chunks))
+    busy = pieces * microbatches * (forward_s + input_grad_s + weight_grad_s)
+    step = zero_bubble_step_time(schedule, stages, microbatches, forward_s, input_grad_s,
+                                 weight_grad_s, chunks, handoff_s)
+    return 1 - busy / step
+
+
+def published_bubble_s(schedule, stages, forward_s, input_grad_s, weight_grad_s,
+                       overlapped_s=None):
+    """Seconds each of p = `stages` ranks idles in one step by the published counts, for m
+    large enough, from the times of one piece's F, B (input's gradient) and W (weights'):
+
+      1f1b       (p-1)(F + B + W)       Qi et al. 2024, Table 2 (B + W the whole backward)
+      zb1p       (p-1)(F + B - W)       their ZB-H1 (§2.1, Table 2; DeepSeek-V3's Table 2
+                                        writes it (PP-1)(F + B' - 2W), B' = B + W the whole
+                                        backward), for W <= F and W <= B: past them the
+                                        order's critical path gives (p-1) max(F, B)
+      zbv        0                      their ZB-V (§6), for F = B = W only (raises
+                                        otherwise), counted within each rank's own span,
+                                        first op to last; a step whose ranks start together
+                                        (after the optimizer's) also idles the fill and the
+                                        drain, (p-1) F per rank (zero_bubble_step_time)
+      dualpipev  (p-1)(F&B + B' - 3W)   DeepSeek-V3's Table 2 for DualPipe, (PP/2-1)(F&B +
+                                        B' - 3W) over PP stages, which DualPipeV holds on
+                                        PP/2 = p ranks (DualPipe's README); F&B =
+                                        `overlapped_s`, a forward and a whole backward run
+                                        together (default F + B + W: one after the other)
+
+    The counts hold for zb1p from m >= p, zbv from m >= 2p - 1, dualpipev from its least,
+    m = 2p; zero_bubble_step_time walks any m and any times."""
+    p, f, b, w = stages, forward_s, input_grad_s, weight_grad_s
+    if schedule == "1f1b":
+        return (p - 1) * (f + b + w)
+    if schedule == "zb1p":
+        return (p - 1) * (f + b - w)
+    if schedule == "zbv":
+        if not f == b == w:
+            raise ValueError("the published ZB-V count assumes F = B = W; "
+                             "zero_bubble_step_time walks other times")
+        return 0.0
+    if schedule == "dualpipev":
+        overlapped = f + b + w if overlapped_s is None else overlapped_s
+        return (p - 1) * (overlapped + (b + w) - 3 * w)
+    raise ValueError(f"unknown schedule {schedule!r}; choose from 1f1b, "
+                     f"{', '.join(ZERO_BUBBLE_SCHEDULES)}")
+
+
+def published_bubble_fraction(schedule, stages, microbatches, forward_s, input_grad_s,
+                              weight_grad_s, chunks=2, overlapped_s=None):
+    """published_bubble_s as a fraction of the step: idle / (idle + busy), each rank busy
+    m (F + B + W) per piece it holds (one for 1f1b, `chunks` for zb1p, two for zbv and
+    dualpipev)."""
+    pieces = 1 if schedule == "1f1b" else len(zero_bubble_pieces(schedule, stages, 0, chunks))
+    idle = published_bubble_s(schedule, stages, forward_s, input_grad_s, weight_grad_s,
+                              overlapped_s)
+    return idle / (idle + pieces * microbatches * (forward_s + input_grad_s + weight_grad_s))
