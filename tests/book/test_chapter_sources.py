@@ -26,7 +26,6 @@ PENDING = {
     "fsdp": "LABS, run_lab, prediction, GB, memory_model",
     "low_communication": "run_lab, lcm, comm_model",
     "memory": "GB, LARGEST, PSI, memory_model, table, run_lab, Transformer",
-    "pipeline": "run_lab, lab_failure, time_model, GB, H70, S70, comm_model, m_shown",
 }
 
 
