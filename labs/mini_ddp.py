@@ -3,8 +3,9 @@
   naive       after backward, one all-reduce per parameter. Not used in practice, but
               every later idea fixes one of its costs: one latency per tensor, and no
               communication until the whole backward pass is over.
-  bucketed    after backward, gradients copied into flat buckets of --bucket-mb (DDP's
-              grouping), one all-reduce per bucket: fewer, larger messages.
+  bucketed    after backward, gradients copied into flat buckets that close at the
+              tensor reaching --bucket-mb (DDP's grouping), one all-reduce per bucket:
+              fewer, larger messages.
   overlapped  the same buckets, each all-reduced asynchronously as soon as backward has
               produced all its gradients, while backward goes on with earlier layers.
   torch_ddp   torch.nn.parallel.DistributedDataParallel with the same bucket cap.
@@ -30,10 +31,13 @@ Launch lines (from the repository root):
              --rdzv-id=mini_ddp labs/mini_ddp.py --out ddp.json
 
 JSON: `links` [{comm_delay_ns_per_byte, variants {name: {step_time_s (median),
-step_time_spread_s (interquartile range), max_param_diff (against the single-process
-reference)}}}], one per delay; `bucket_bytes` (the scratch buckets, in all-reduce order),
-`param_bytes` (one per parameter, same order), and the compute of one step without
-communication: `forward_time_s`, `backward_time_s`, `optimizer_time_s`.
+step_time_spread_s (upper minus lower quartile, timing.summary: below 8 timed steps the
+slowest minus the fastest), max_param_diff (against the single-process reference)}}}], one
+per delay; `bucket_bytes` (the scratch buckets, in all-reduce order), `param_bytes` (one per
+parameter, same order), `torch_ddp_bucket_bytes` and `torch_ddp_first_bucket_bytes` (torch
+DDP's own buckets after its rebuild and in its first iteration, read from its logging data;
+null without the torch_ddp variant), and the compute of one step without communication:
+`forward_time_s`, `backward_time_s`, `optimizer_time_s`.
 """
 
 import argparse
@@ -50,7 +54,8 @@ from labkit.parallel.strategies import SCALING_SHAPE as SHAPE
 from labkit.parallel.strategies import TorchDDP, rank_batch, train_step
 from labkit.model.transformer import Transformer, next_token_loss
 
-# model and data: SCALING_SHAPE, 3.7 MB of fp32 gradients in four 1 MiB buckets
+# model and data: SCALING_SHAPE, 2.14 MB of fp32 gradients, in two buckets at a 1 MiB cap
+# (a bucket closes at the tensor that takes it to the cap, so each holds a little more)
 BATCH = 4              # sequences per rank per step
 LEARNING_RATE = 0.1    # plain SGD: the result depends on the gradients alone
 # timing
@@ -201,6 +206,18 @@ def batch(args, step, rank, device):
     return rank_batch(SHAPE, args.batch, args.seed, step, rank, device)
 
 
+def torch_ddp_buckets(ddp):
+    """(bytes of each bucket after DDP's rebuild, in all-reduce order; bytes of each bucket
+    of its first iteration), as torch's DDP logs them (_get_ddp_logging_data: comma-separated
+    strings). The rebuilt sizes exist once DDP has rebuilt, after its first iteration."""
+    logged = ddp._get_ddp_logging_data()
+
+    def sizes(key):
+        text = logged.get(key)
+        return [int(part) for part in text.split(",")] if text else None
+    return sizes("rebuilt_bucket_sizes"), sizes("bucket_sizes")
+
+
 def reference_params(initial, args, env):
     """One process, the whole batch (all ranks' shards) at every step."""
     model = copy.deepcopy(initial)
@@ -242,8 +259,12 @@ def run(args, env):
                                                      reference, env.device)}
     params = list(initial.parameters())[::-1]
     sizes = [p.numel() * p.element_size() for p in params]
+    # torch DDP's own buckets, to check the scratch ones against (the first link's run)
+    ddp = runs.get((0, "torch_ddp"))
+    rebuilt, first = torch_ddp_buckets(ddp[0].model) if ddp else (None, None)
     metrics = {"links": results, "param_bytes": sizes,
-               "bucket_bytes": time_model.bucket_bytes(sizes, (cap, cap))}
+               "bucket_bytes": time_model.bucket_bytes(sizes, (cap, cap)),
+               "torch_ddp_bucket_bytes": rebuilt, "torch_ddp_first_bucket_bytes": first}
 
     model = copy.deepcopy(initial)
     optimizer = sgd(model.parameters())
@@ -293,8 +314,13 @@ def main():
     args = parse_args()
     with distenv.initialize(args) as env:
         metrics = run(args, env)
-        env.print0(f"world size {env.world_size} ({env.backend}), "
-                   f"{len(metrics['bucket_bytes'])} buckets of <= {args.bucket_mb:g} MiB")
+        env.print0(f"world size {env.world_size} ({env.backend}), buckets of "
+                   f"{', '.join(f'{b:,}' for b in metrics['bucket_bytes'])} bytes (cap "
+                   f"{args.bucket_mb:g} MiB: a bucket closes at the tensor that reaches it)")
+        if metrics["torch_ddp_bucket_bytes"] is not None:
+            env.print0(f"torch DDP's buckets: {metrics['torch_ddp_bucket_bytes']} after its "
+                       f"rebuild, {metrics['torch_ddp_first_bucket_bytes']} in its first "
+                       f"iteration")
         for link in metrics["links"]:
             env.print0(f"comm delay {link['comm_delay_ns_per_byte']:g} ns/byte:")
             env.print0(f"{'variant':>11} {'step ms':>9} {'IQR ms':>8} {'max |p - ref|':>14}")

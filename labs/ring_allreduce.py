@@ -56,7 +56,7 @@ WARMUP = 3                 # untimed runs first: the first collective sets up co
 SAMPLE_S = 0.02            # a sample repeats the operation back to back for about this long,
 MAX_ITERATIONS = 20        # ... at most this many times, and reports the time per operation
 # implementation
-SEGMENT_BYTES = 2 << 20    # pipelining grain: 2 MiB per send/receive (gloo pays ~0.2 ms per message)
+SEGMENT_BYTES = 2 << 20    # pipelining grain: 2 MiB per send/receive (each message pays a latency)
 MAX_SEGMENTS = 4           # ... and at most this many per chunk: larger chunks, larger segments
 ELEMENT_SIZE = 4           # float32
 ONE_RANK = ("a world of one: no other rank, so nothing is sent and no bus bandwidth exists "
@@ -96,8 +96,8 @@ def segment_elements(chunk_numel, element_size, segment_bytes=SEGMENT_BYTES):
     more where a chunk would need more than MAX_SEGMENTS of them.
 
     Small segments let a received one be added while the next is on the wire, but every
-    segment is a call: on gloo about 0.2 ms each, on NCCL a group call and a kernel, run
-    one after another on one stream. At 1 GiB on 8 GPUs, 2 MiB segments would make 64
+    segment is a call: on gloo a message with its fixed latency, on NCCL a group call and a
+    kernel, run one after another on one stream. At 1 GiB on 8 GPUs, 2 MiB segments would make 64
     per step and about 900 calls per all-reduce, and the time would be the launches', not
     the links'. NCCL's own ring moves a step's chunk in slices inside one kernel; the
     course's ring sends at most MAX_SEGMENTS per step to its neighbour, so a large

@@ -24,7 +24,8 @@ Measured, all ranks at once, each time the slowest rank's:
                    the step minus it is the DDP or FSDP wrapper's own work
   comm_time_s      the step's collectives alone, back to back: DDP's bucket all-reduces,
                    or FSDP's two all-gathers and one reduce-scatter per unit
-  alpha_s, beta_bytes_per_s   all-reduces of several sizes, fitted (comm_model)
+  alpha_s, beta_bytes_per_s   all-reduces of several sizes, the median of each size's
+                   repeats, fitted (comm_model)
 predicted_step_time_s is time_model.step_time from the measured compute phases and the
 alpha-beta times of the same collectives. DDP's buckets overlap backward on a GPU, where
 NCCL has the network to itself; on CPU, gloo adds and copies on the very cores that run
@@ -134,8 +135,10 @@ def fit_link(env, repeats, group=None):
         buffer = torch.zeros(size // 4, device=env.device)
         runs = [timing.timed(env.device, lambda: dist.all_reduce(buffer, group=group), group)
                 for _ in range(WARMUP + repeats)]
-        # the fastest: the link's own time; a slower repeat is the machine's other work
-        times.append(min(runs[WARMUP:]))
+        # the median, as the step and comm_time_s are timed: a fit to the fastest repeat
+        # would price the link faster than any step sees it, so the model would come out
+        # short by construction
+        times.append(statistics.median(runs[WARMUP:]))
     try:
         return (*comm_model.fit_alpha_beta(list(SWEEP_BYTES), times, n), None)
     except ValueError as error:

@@ -133,6 +133,26 @@ def test_flat_allreduce_times_give_no_fit_and_no_prediction(monkeypatch):
     assert scaling.predicted_comm([("all_reduce", 1 << 20)], 8, alpha, beta) is None
 
 
+def test_the_link_is_fitted_to_the_median_repeat_as_the_step_is_timed(monkeypatch):
+    """The step and the communication alone are medians; a link fitted to the fastest
+    repeat would price every collective faster than any step sees it."""
+    sent, calls = [], iter(range(10 ** 6))
+    monkeypatch.setattr(scaling.dist, "all_reduce",
+                        lambda buffer, group=None: sent.append(4 * buffer.numel()))
+
+    def timed(device, operation, group=None):
+        operation()
+        # per size: WARMUP untimed runs, then 5 timed, of which the first 3 twice as slow
+        slow = 0 <= next(calls) % (scaling.WARMUP + 5) - scaling.WARMUP < 3
+        return (2 if slow else 1) * (1e-3 + sent[-1] / 1e9)   # 2 alpha + S / beta at N = 2
+    monkeypatch.setattr(scaling.timing, "timed", timed)
+    env = types.SimpleNamespace(world_size=2, device=torch.device("cpu"))
+    alpha, beta, why = scaling.fit_link(env, 5)
+    # the median repeat is a slow one: alpha 1 ms and beta 0.5 GB/s (the fastest: 0.5 ms, 1 GB/s)
+    assert why is None
+    assert alpha == pytest.approx(1e-3) and beta == pytest.approx(0.5e9)
+
+
 def test_a_straggler_made_on_purpose_needs_a_profile():
     assert_refused(scaling.parse_args, ["--slow-rank", 1, "--slow-ms", 5],
                    "--slow-rank slows the profiled steps: give --profile DIR too")

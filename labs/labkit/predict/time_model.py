@@ -43,13 +43,16 @@ def bucket_layout(sizes_bytes, caps_bytes=(FIRST_BUCKET_BYTES, DEFAULT_BUCKET_BY
     Tensors are taken in the order given (DDP passes its parameters last-first, the order
     in which backward produces their gradients). A bucket holds one dtype only (a bucket
     is one flat buffer): each dtype (`dtypes`, one per tensor; all alike if None) fills
-    buckets of its own. A bucket closes as soon as it holds at least its cap; a dtype's
-    k-th bucket has cap caps_bytes[k], and the last cap repeats. The buckets are listed by
-    the first tensor each holds.
+    buckets of its own. A bucket closes as soon as it holds at least its cap, so a tensor
+    never splits: one larger than the cap closes the bucket it joins, with whatever smaller
+    tensors that bucket held before it. A dtype's k-th bucket has cap caps_bytes[k], and
+    the last cap repeats. The buckets are listed by the first tensor each holds.
 
-    This is the layout DDP builds after its first iteration, from the order in which the
-    gradients arrived. The first iteration runs with a single bucket unless
-    find_unused_parameters=True and static_graph=False, since the order is not known yet
+    This is the layout DDP rebuilds after its first iteration (Reducer::rebuild_buckets),
+    from the order in which the gradients arrived, unless find_unused_parameters=True and
+    static_graph=False: then it never rebuilds (should_rebuild_buckets in reducer.hpp), and
+    keeps the layout it built at construction, in reversed registration order. Otherwise
+    the first iteration runs with a single bucket, since the order is not known yet
     (torch/nn/parallel/distributed.py, compute_bucket_size_limits).
     """
     dtypes = dtypes or [None] * len(sizes_bytes)
@@ -101,8 +104,8 @@ def ddp_bucket_bytes(numels, element_bytes=4, caps_bytes=None):
     reversed. A tied head's weight is the token embedding, registered first: it is ready
     last, once the embedding's backward has added its part, so the last bucket holds it,
     the largest tensor of the model. Every tensor stays whole: a tensor larger than the cap
-    is a bucket of its own. (Within a module DDP may see a bias before its weight; it moves
-    a bucket's boundary by a bias at most.)"""
+    closes the bucket it joins, after the smaller tensors already in it. (Within a module
+    DDP may see a bias before its weight; it moves a bucket's boundary by a bias at most.)"""
     caps_bytes = caps_bytes or ddp_bucket_caps()
     return bucket_bytes([element_bytes * n for n in reversed(numels)], caps_bytes)
 
