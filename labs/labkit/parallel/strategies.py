@@ -246,8 +246,8 @@ FSDP_FAMILY = TrainingSetup(shape=Shape(layers=3, hidden=50, heads=5, seq=16, vo
                             batch=4, learning_rate=0.1, momentum=0.9, steps=4)
 
 
-# The scaling chapter's labs (mini_ddp, scaling): about 0.93 M parameters, 3.7 MB of fp32
-# gradients, enough for several DDP buckets.
+# The scaling chapter's labs (mini_ddp, scaling): 536,064 parameters, 2.14 MB of fp32
+# gradients, two DDP buckets at a 1 MiB cap.
 SCALING_SHAPE = Shape(layers=2, hidden=128, heads=4, seq=64, vocab=512)
 
 
