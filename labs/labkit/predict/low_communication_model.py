@@ -19,12 +19,15 @@ less often, and what a step then costs on a link of a given speed.
                     on average the bytes of DiLoCo, at most a fragment's at once
 
 All bytes are those of the ring algorithm (comm_model.bytes_sent_per_rank): 2(N-1)/N of what
-is all-reduced. Torch-free: the labs, the chapter and the tests call the same functions.
+is all-reduced. bf16's error (bf16_average_relative_rms, bf16_average_error_bound) is the
+precision chapter's model of a bf16 sum (precision_model.sum_relative_error), with the casts
+before it. Torch-free: the labs, the chapter and the tests call the same functions.
 """
 
+import math
 from fractions import Fraction
 
-from . import comm_model
+from . import comm_model, precision_model
 
 METHODS = ("ddp", "bf16", "powersgd", "local_sgd", "diloco", "streaming_diloco")
 SYNCS_EVERY_STEP = ("ddp", "bf16", "powersgd")
@@ -144,6 +147,27 @@ def step_time(method, compute_s, steps, shapes, world_size, alpha_s, beta_bytes_
     return compute_s + extra_compute_s + comm / (steps - first_step)
 
 
+def time_within_spread(predicted_s, step_range_s, compute_s, compute_range_s,
+                       forward_range_s, compute_forward_s, floor=False):
+    """Whether a predicted mean step time agrees with a run's steps, on a busy machine too.
+    The prediction adds the link's time to compute_s, a step without communication timed
+    before the run (its fastest and slowest in compute_range_s, its forward pass's median
+    compute_forward_s). The run's own forward passes, which no method changes and none
+    communicates in, ranged over forward_range_s: the machine ran the computation between
+    forward_range_s / compute_forward_s times as slow as then. The prediction, its
+    computation so scaled, must come within the range of the run's steps (step_range_s:
+    fastest, slowest), widened either side by that range's width and by the compute steps'
+    spread at the slowest of those speeds: a busy machine widens all three. A prediction
+    that leaves part of the step out (floor=True: PowerSGD's, whose products are priced at
+    the rate of the model's own step) need only not exceed the slowest step."""
+    fastest, slowest = step_range_s
+    slow_down = [f / compute_forward_s for f in forward_range_s]
+    margin = slowest - fastest + slow_down[1] * (compute_range_s[1] - compute_range_s[0])
+    if predicted_s + (slow_down[0] - 1) * compute_s > slowest + margin:
+        return False
+    return floor or predicted_s + (slow_down[1] - 1) * compute_s >= fastest - margin
+
+
 def crossover_bandwidth(bytes_a, seconds_a, bytes_b, seconds_b):
     """The link bandwidth (bytes/s) below which method b, sending bytes_b per step and
     computing seconds_b more, beats method a: where s_a + B_a/beta = s_b + B_b/beta.
@@ -154,6 +178,44 @@ def crossover_bandwidth(bytes_a, seconds_a, bytes_b, seconds_b):
     if extra_s <= 0:
         return float("inf")
     return saved_bytes / extra_s
+
+
+def _is_power_of_two(n):
+    return n & (n - 1) == 0
+
+
+def bf16_average_relative_rms(world_size):
+    """RMS error of the bf16 hook's averaged gradient against the exact average, relative to
+    the average's RMS, for ranks whose gradients are independent and equally spread: each
+    rank's gradient cast to bf16 (rounding_rms of each of N terms, against a sum sqrt(N)
+    times one term: rounding_rms), divided by N in bf16 (exact for a power of two, else
+    rounded once more), then summed in bf16 by the ring (sum_relative_error). Gradients that
+    agree across ranks have a larger sum and err less, relative to it; gradients that cancel,
+    more."""
+    cast = precision_model.rounding_rms("bf16")
+    divide = 0.0 if _is_power_of_two(world_size) else cast
+    return math.sqrt(cast ** 2 + divide ** 2
+                     + precision_model.sum_relative_error("bf16", world_size) ** 2)
+
+
+def bf16_average_error_bound(world_size):
+    """(c, floor): no value of the bf16 hook's average is further from DDP's fp32 average
+    than c x sum over ranks |g_r| / N + floor, whatever the gradients. Each term passes
+    through k roundings at most, its cast, the division where N is no power of two, and
+    N - 1 additions, each of relative error u = 2^-(m + 1), so |error| <= gamma_k x
+    sum |term| with gamma_k = k u / (1 - k u) (Higham, Accuracy and Stability of Numerical
+    Algorithms, ch. 3 and 4), in bf16 and, for DDP's own fp32 sum, in fp32; `floor` covers
+    results below the smallest normal, where each rounding errs by half a subnormal step
+    at most."""
+    k = world_size + (0 if _is_power_of_two(world_size) else 1)
+
+    def gamma(name):
+        u = 2.0 ** -(precision_model.get_format(name).mantissa_bits + 1)
+        return k * u / (1 - k * u)
+
+    floor = k * (precision_model.get_format("bf16").min_subnormal
+                 + precision_model.get_format("fp32").min_subnormal) / 2
+    return gamma("bf16") + gamma("fp32"), floor
 
 
 def transformer_shapes(layers, hidden, vocab, seq):
