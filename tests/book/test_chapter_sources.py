@@ -24,7 +24,6 @@ CELL = re.compile(r"^```\{code-cell\}[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
 # with them). strict: once a page is put right, its entry here fails until it is removed.
 PENDING = {
     "fsdp": "LABS, run_lab, prediction, GB, memory_model",
-    "low_communication": "run_lab, lcm, comm_model",
     "memory": "GB, LARGEST, PSI, memory_model, table, run_lab, Transformer",
 }
 
