@@ -1,5 +1,5 @@
 """Choose a parallel configuration: every layout of N GPUs over data, tensor, pipeline,
-context and expert parallelism (labs/labkit/predict/planner.py), with a ZeRO stage, a micro-batch
+context and expert parallelism (labs/labkit/predict/planner/), with a ZeRO stage, a micro-batch
 size, a pipeline schedule and a recomputation, kept if it fits in GPU memory and ranked by
 predicted step time. The command line of labkit.predict.planner; the model is described there.
 

@@ -1,4 +1,4 @@
-"""The planner (labs/labkit/predict/planner.py, labs/plan.py): every configuration it returns uses
+"""The planner (labs/labkit/predict/planner/, labs/plan.py): every configuration it returns uses
 all N GPUs, fits the stated memory, adds its step time up and is ranked; its memory for the
 course's model is the memory calculator's; its tensor-parallel term is the one traffic
 model; recomputation, fused attention, interleaving, context and expert parallelism move
@@ -43,11 +43,14 @@ def planned(capsys, argv):
 def test_the_predictions_import_no_torch():
     """labkit/predict/ runs in a browser (Pyodide), where there is no torch: every module
     found in that folder is imported, and the planner's command line run, with torch made
-    unimportable, and nothing from labkit's other folders may come in with them."""
+    unimportable, and nothing from labkit's other folders may come in with them; its
+    subfolders' modules (the planner's package) too."""
     code = ("import sys, pathlib; sys.modules['torch'] = None; sys.path.insert(0, sys.argv[1]); "
             "import importlib, plan; "
             "folder = pathlib.Path(sys.argv[1]) / 'labkit' / 'predict'; "
-            "names = sorted(p.stem for p in folder.glob('*.py') if p.stem != '__init__'); "
+            "names = sorted('.'.join(p.relative_to(folder).with_suffix('').parts) "
+            "for p in folder.rglob('*.py') if p.stem != '__init__' "
+            "and '__pycache__' not in p.parts); "
             "[importlib.import_module('labkit.predict.' + name) for name in names]; "
             "plan.run(plan.parse_args(['--model', 'llama3-8b', '--gpus', '8'])); "
             "print(len(names), sorted(m for m in sys.modules if m.startswith('labkit.') "
@@ -55,7 +58,43 @@ def test_the_predictions_import_no_torch():
     done = subprocess.run([sys.executable, "-c", code, str(LABS)], capture_output=True,
                           text=True, check=True)
     count, others = done.stdout.strip().split(" ", 1)
-    assert int(count) >= 9 and others == "[]"
+    assert int(count) >= 9 + len(PLANNER_FILES) and others == "[]"
+
+
+# The planner's package, each file importing only those before it (shapes at the bottom,
+# the search at the top): no cycles, and a file's dependencies read from this list
+PLANNER_FILES = ("shapes", "settings", "presets", "layout", "collectives", "tensor_parallel",
+                 "data_parallel", "pipeline", "context_parallel", "expert_parallel",
+                 "memory_per_gpu", "step", "search")
+
+
+def test_the_planners_files_import_one_way():
+    """Every file of labkit/predict/planner/ is in PLANNER_FILES, imports of its siblings
+    only those listed before it, and of the rest of labkit only labkit/predict/'s modules;
+    the package's __init__ re-exports the public names of all of them."""
+    import ast
+    folder = Path(planner.__file__).parent
+    assert {p.stem for p in folder.glob("*.py")} == {"__init__", *PLANNER_FILES}
+    for index, name in enumerate(PLANNER_FILES):
+        tree = ast.parse((folder / f"{name}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                if node.level == 0:   # the standard library's
+                    assert not node.module.startswith("labkit"), (name, node.module)
+                elif node.level == 1:
+                    assert node.module in PLANNER_FILES[:index], (name, node.module)
+                else:   # from .. import the cost models beside the package
+                    assert node.level == 2 and node.module is None and all(
+                        (folder.parent / f"{alias.name}.py").is_file() for alias in node.names)
+            if isinstance(node, ast.Import):   # the standard library's alone
+                assert not any(a.name.startswith("labkit") for a in node.names), name
+        public = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))
+                  and not n.name.startswith("_")}
+        public |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
+                   if isinstance(t, ast.Name) and not t.id.startswith("_")}
+        module = getattr(planner, name)
+        for attribute in public:
+            assert getattr(planner, attribute) is getattr(module, attribute), (name, attribute)
 
 
 @pytest.mark.parametrize("argv", CASES.values(), ids=CASES.keys())

@@ -2,11 +2,12 @@
 example, the planner's answer as labs/plan.py gives it, and bad input as one line."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 import plan
-from labkit.predict import planner, sizing
+from labkit.predict import sizing
 
 
 def test_the_zero_papers_example():
@@ -68,26 +69,70 @@ def test_a_layout_that_does_not_fit_says_why():
     assert result["layout"]["rank"] is None and "GB per GPU" in result["layout"]["reason"]
 
 
-def test_the_page_copies_the_predictions_folder_whole():
-    """book/_ext/sizing_page.py copies labkit/predict/ as a folder: every module in it, and
-    what sizing imports stays inside it (a module elsewhere would be missing in the site)."""
-    import ast
+def load_sizing_page():
+    """book/_ext/sizing_page.py, the build's extension, as a module."""
     import importlib.util
     import sys
-    from pathlib import Path
     ext = Path(__file__).resolve().parent.parent / "book" / "_ext" / "sizing_page.py"
     spec = importlib.util.spec_from_file_location("sizing_page", ext)
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("sizing_page", module)
     spec.loader.exec_module(module)
-    predict = Path(planner.__file__).parent
+    return module
+
+
+def test_the_page_copies_the_predictions_folder_whole():
+    """book/_ext/sizing_page.py copies labkit/predict/ as a folder: every module in it and
+    in its subfolders (the planner is a package), and what they import stays inside it (a
+    module elsewhere would be missing in the site)."""
+    import ast
+    module = load_sizing_page()
+    predict = Path(sizing.__file__).parent
     labkit = predict.parent
     copied = module.site_modules(labkit)
-    in_folder = {f"predict/{path.stem}" for path in predict.glob("*.py")}
+    in_folder = {path.relative_to(labkit).with_suffix("").as_posix()
+                 for path in predict.rglob("*.py") if "__pycache__" not in path.parts}
     assert set(copied) == in_folder | {"__init__"} and "predict/sizing" in copied
+    assert {"predict/planner/__init__", "predict/planner/search"} <= set(copied)
+    assert module.site_folders(copied) == ["predict", "predict/planner"]
     for name in copied:
-        tree = ast.parse((labkit / f"{name}.py").read_text())
+        depth = name.count("/")   # folders below labkit/: a relative import climbs at most
+        tree = ast.parse((labkit / f"{name}.py").read_text())   # to labkit/predict/
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
-                assert node.level <= 1, f"{name} imports from outside labkit/predict/"
-                assert node.level == 1 or not (node.module or "").startswith("labkit"), name
+                assert node.level <= depth, f"{name} imports from outside labkit/predict/"
+                assert node.level >= 1 or not (node.module or "").startswith("labkit"), name
+
+
+def test_the_site_copy_imports_and_answers_without_torch(tmp_path):
+    """What the build copies into the site (copy_into_site, run as the build runs it), set
+    out as the page's script sets it out (each folder of the configuration made, each
+    module written), imports in a fresh interpreter without torch and without the
+    repository on its path, and answers the planner's question as here."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+    module = load_sizing_page()
+    repo = Path(__file__).resolve().parent.parent
+    config = SimpleNamespace(sizing_pyodide_url="", sizing_pyodide_version="0",
+                             sizing_pyodide_dir="")
+    app = SimpleNamespace(builder=SimpleNamespace(format="html"), outdir=str(tmp_path / "site"),
+                          srcdir=str(repo), config=config)
+    module.copy_into_site(app, None)
+    static = tmp_path / "site" / "_static"
+    page = json.loads((static / "sizing-config.js").read_text().split("= ", 1)[1].rstrip(";\n"))
+    home = tmp_path / "pyodide"
+    for folder in ["", *page["folders"]]:                 # sizing.js: FS.mkdirTree
+        (home / "labkit" / folder).mkdir(parents=True, exist_ok=True)
+    for name in page["modules"]:                          # sizing.js: fetch, FS.writeFile
+        (home / "labkit" / f"{name}.py").write_text((static / "labkit" / f"{name}.py").read_text())
+    fields = {"model": "llama3-70b", "gpus": "256", "global_batch_tokens": "4M",
+              "layout": "tp=8,pp=1,dp=32"}
+    code = ("import json, sys; sys.modules['torch'] = None; sys.path.insert(0, sys.argv[1]); "
+            "from labkit.predict import sizing; "
+            "print(json.dumps(sizing.run(json.loads(sys.argv[2]))))")
+    done = subprocess.run([sys.executable, "-I", "-c", code, str(home), json.dumps(fields)],
+                          capture_output=True, text=True, check=True, cwd=tmp_path)
+    there = json.loads(done.stdout)
+    here = json.loads(json.dumps(sizing.run(fields)))
+    assert there["planner"] == here["planner"] and there["layout"] == here["layout"]

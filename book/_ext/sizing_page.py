@@ -1,9 +1,10 @@
 """The sizing page's Python, put into the built site: the predictions subpackage,
 labs/labkit/predict/ (the cost models, the planner, the page's entry point `sizing`), is
-copied whole at build time with labkit's own __init__.py (the site runs the very files the
-build checks, with no second copy in the repository and no list of modules to keep in
-step: whatever that folder holds, which imports no torch, the page can import), with a
-small configuration script that says where Pyodide comes from.
+copied whole at build time, its subfolders (the planner's package) with it, with labkit's
+own __init__.py (the site runs the very files the build checks, with no second copy in the
+repository and no list of modules to keep in step: whatever that folder holds, which
+imports no torch, the page can import), with a small configuration script that says where
+Pyodide comes from and which folders to make.
 
 _config.yml, under sphinx: config:
   sizing_pyodide_version  the pinned Pyodide release (default below)
@@ -23,9 +24,18 @@ PREDICTIONS = "predict"
 
 def site_modules(labkit):
     """The files the page loads, as paths under labkit/ without ".py": labkit's __init__ and
-    every module of its predictions subpackage."""
+    every module of its predictions subpackage, those of its subpackages included."""
     folder = labkit / PREDICTIONS
-    return ["__init__"] + sorted(f"{PREDICTIONS}/{path.stem}" for path in folder.glob("*.py"))
+    return ["__init__"] + sorted(path.relative_to(labkit).with_suffix("").as_posix()
+                                 for path in folder.rglob("*.py")
+                                 if "__pycache__" not in path.parts)
+
+
+def site_folders(modules):
+    """The folders under labkit/ that `modules` sit in, parents first: the page makes them
+    before it writes the files."""
+    return sorted({name.rsplit("/", 1)[0] for name in modules if "/" in name},
+                  key=lambda folder: (folder.count("/"), folder))
 
 
 def copy_into_site(app, exception):
@@ -35,7 +45,9 @@ def copy_into_site(app, exception):
     labkit = Path(app.srcdir) / "labs" / "labkit"
     target = static / "labkit"
     modules = site_modules(labkit)
-    (target / PREDICTIONS).mkdir(parents=True, exist_ok=True)
+    folders = site_folders(modules)
+    for folder in folders:
+        (target / folder).mkdir(parents=True, exist_ok=True)
     for name in modules:
         shutil.copyfile(labkit / f"{name}.py", target / f"{name}.py")
     url = app.config.sizing_pyodide_url or (
@@ -47,7 +59,7 @@ def copy_into_site(app, exception):
         shutil.copytree(local, static / "pyodide", dirs_exist_ok=True)
         url = "../_static/pyodide/"   # relative to the pages in book/
     config = {"pyodide": url, "version": app.config.sizing_pyodide_version,
-              "modules": modules, "folders": [PREDICTIONS]}
+              "modules": modules, "folders": folders}
     (static / "sizing-config.js").write_text(
         f"window.SIZING_CONFIG = {json.dumps(config)};\n")
 

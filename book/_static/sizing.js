@@ -1,5 +1,7 @@
-// The sizing page: loads Pyodide, puts the course's cost models (labs/labkit/predict/, copied
-// into _static/labkit/predict/ when the site is built) into its file system, and answers the form
+// The sizing page: loads Pyodide, puts the course's cost models (labs/labkit/predict/ and its
+// subfolders, such as the planner's package, copied into _static/labkit/predict/ when the site
+// is built; the configuration lists the folders and the modules) into its file system, and
+// answers the form
 // with labkit.predict.sizing.run. Nothing is computed here: this file only moves fields in and
 // draws what Python returns.
 (function () {

@@ -1,0 +1,37 @@
+"""The pipeline in a step: the schedule's idle time on the slowest stage (1F1B, interleaved,
+or DualPipe's), and the activations and gradients sent between stages."""
+
+from .. import time_model
+from .layout import stage_imbalance
+from .settings import VALUE_BYTES
+
+
+def bubble_seconds(model, cut, pp, microbatches, chunks, work, forward, flash, dualpipe=False):
+    """The pipeline's idle time in a step of `work` seconds of computation a rank
+    (`forward` of them the forward's). The pipeline waits for its slowest stage (the
+    embedding's and the head's work sit on the first and last), and idles in the
+    schedule's fill and drain. Interleaved, the fill and drain wait on the other ranks'
+    first chunks: a rank's time over v stands in for them, exact when the chunks hold the
+    same layers."""
+    slowest = work * stage_imbalance(model, cut, flash, chunks)
+    if dualpipe:
+        # DeepSeek-V3's Table 2: (pp/2 - 1)(F&B + B - 3W) per micro-batch, F&B the
+        # overlapped forward and backward (F + B when compute-bound), B the backward with
+        # any recomputed forward, W the weights' gradients, half the backward proper (= F):
+        # 2B - 2F, two thirds of a micro-batch's work without recomputation
+        b_time = work - forward
+        return slowest - work + (pp / 2 - 1) * (2 * b_time - 2 * forward) / work * slowest \
+            / microbatches
+    fraction = time_model.pipeline_bubble_fraction(pp, microbatches, chunks)
+    return slowest / (1 - fraction) - work
+
+
+def send_seconds(model, batch, seq, tp, cp, dp, pp, microbatches, chunks, hw):
+    """An activation forward and its gradient back per micro-batch and chunk; each
+    tensor-parallel rank sends its own 1/tp of the tokens (sequence parallelism splits
+    them, as Megatron-LM's scatter/gather does without it) of its s/cp."""
+    if pp == 1:
+        return 0.0
+    alpha, beta = hw.nvlink if tp * cp * dp * pp <= hw.gpus_per_node else hw.network
+    return microbatches * chunks * 2 * (alpha + VALUE_BYTES * batch * seq * model.hidden
+                                        / tp / beta)
