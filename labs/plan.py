@@ -32,7 +32,9 @@ microbatches, recompute, checkpointing (recompute == full), sequence_parallel,
 stage_layers (the layers of each pipeline stage: the planner takes up to two off each end),
 chunk_layers when interleaved (the layers of each of the pp x chunks virtual stages, in order,
 virtual stage j on stage j mod pp: an end chunk may hold only the embedding or the head),
-memory_bytes {params, grads, optimizer, states, activations, logits, total, stage},
+memory_bytes {params, grads, optimizer, states, activations, logits, total (the tensors), stage,
+reserve (the CUDA context's and NCCL's), usable (the GPU's memory less the reserve, what
+total must fit in)},
 time_s {compute, recompute, bubble, tp, pp, dp, cp, ep, step}, tokens_per_s_per_gpu,
 mfu, mfu_with_attention}. With --layout it adds `layout`: that layout's best
 configuration's fields plus rank (1 = fastest of all), step_time_s, best_step_time_s and
@@ -182,8 +184,27 @@ def parse_args(argv=None):
                         help="with --precision fp8: cache the activations for backward as "
                              "DeepSeek-V3 did, most of them in FP8")
     choose.add_argument("--fp32-grads", action="store_true",
-                        help="gradients kept and reduced in an fp32 buffer, as Megatron-LM "
-                             "does with bf16: 18 bytes of states per parameter, not 16")
+                        help="gradients kept in an fp32 buffer, as Megatron-LM does with "
+                             "bf16: 18 bytes of states per parameter, not 16")
+    choose.add_argument("--grad-reduce", choices=sorted(planner.GRAD_REDUCE_BYTES),
+                        default="fp32", help="the precision the data-parallel reductions "
+                        "carry gradients in (default fp32, Megatron-LM's with bf16, Llama 3's, "
+                        "torchtitan's; bf16 or fp16 where a run reduces in 16 bits)")
+    choose.add_argument("--cp-scheme", choices=planner.CP_SCHEMES, default="ring",
+                        help="context parallelism as a ring of K and V blocks overlapped "
+                             "with attention (Megatron-Core's default), or K and V "
+                             "all-gathered, exposed (Llama 3's)")
+    choose.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction,
+                        default=True, help="sequence parallelism with tensor parallelism "
+                        "(--no-sequence-parallel: all-reduces, the layers' inputs whole on "
+                        "each rank, as Megatron-LM ran in 2021)")
+    choose.add_argument("--pp-async", choices=("auto", "yes", "no"), default="auto",
+                        help="the pipeline's sends beside the computation (yes, as Llama 3 "
+                             "ran them), one after the other (no), or as Megatron-LM does by "
+                             "default: overlapped with the interleaved schedule only (auto)")
+    choose.add_argument("--dispatch-bytes", type=int, choices=(1, 2), default=2,
+                        help="bytes a value of the tokens sent to their experts (1: FP8, as "
+                             "DeepSeek-V3 dispatches; the combine stays 16-bit)")
     choose.add_argument("--layout", type=layout_type,
                         help="evaluate one layout, tp=8,pp=16,dp=128[,cp=..,ep=..,etp=..,v=..]")
     parser.add_argument("--top", type=positive_int, default=10, help="configurations printed")
@@ -203,6 +224,9 @@ def parse_args(argv=None):
     if args.tp_comm_overlap and (args.async_tp or args.torch_tp):
         fail("--tp-comm-overlap is Transformer Engine's tensor parallelism, --torch-tp and "
              "--async-tp torch's: give one")
+    if not args.sequence_parallel and (args.tp_comm_overlap or args.async_tp):
+        fail("--tp-comm-overlap and --async-tp need sequence parallelism: drop "
+             "--no-sequence-parallel")
     if args.ep is None:
         experts = args.model_shape.experts
         args.ep = [e for e in (2 ** i for i in range(12)) if e <= max(1, experts)]
@@ -244,7 +268,10 @@ def settings_from_args(args):
         torch_tp=args.torch_tp, ep_overlap=args.ep_overlap,
         flash_attention=args.flash_attention, zero=tuple(args.zero),
         precision=args.precision, fp8_activations=args.fp8_activations,
-        states="fp32_grads" if args.fp32_grads else "mixed",
+        states="fp32_grads" if args.fp32_grads else "mixed", grad_reduce=args.grad_reduce,
+        cp_scheme=args.cp_scheme, sequence_parallel=args.sequence_parallel,
+        pp_async={"auto": None, "yes": True, "no": False}[args.pp_async],
+        dispatch_bytes=args.dispatch_bytes,
         recompute=planner.RECOMPUTE if args.recompute == "auto" else (args.recompute,))
 
 

@@ -3,9 +3,11 @@ step time, fastest first. No torch: the same code runs in labs/plan.py and in a 
 
 Degrees, and where their ranks sit (the order of torchtitan's and Megatron-Core's device
 meshes, tp innermost, pp outermost: [pp, dp, cp, tp]):
-  tp  tensor parallelism with sequence parallelism, inside a node
+  tp  tensor parallelism, inside a node, with sequence parallelism or without
+      (Settings.sequence_parallel)
   cp  context parallelism: each rank holds s/cp tokens of every sequence; attention's
-      keys and values pass round a ring, overlapped with the blocks' compute
+      keys and values pass round a ring, overlapped with the blocks' compute, or are
+      all-gathered, exposed, as Llama 3 ran it (Settings.cp_scheme)
   dp  data parallelism, with ZeRO 0-3 over the dp x cp ranks that hold the same weights
       (the gradients of cp ranks are reduced together, as Megatron-Core and torchtitan do)
   pp  pipeline stages, 1F1B or interleaved with v chunks per rank, any m >= 1; or
@@ -27,23 +29,32 @@ N = dp x cp x pp x tp.
 
 Memory (the fullest pipeline stage, memory_model's accounting): mixed-precision Adam
 states (2 + 2 + 12 bytes per parameter) sharded by the ZeRO stage over the ranks that hold
-them; activations per Korthikanti et al. (2022), split tp ways, of the micro-batches the
+them, a tied head's copy of the embedding on a last stage that does not hold it;
+activations per Korthikanti et al. (2022), split tp ways, of the micro-batches the
 schedule keeps in flight (memory_model.pipeline_peak_microbatches); recomputation none,
 selective (attention's s x s part rebuilt) or full (each layer keeps its input); a fused
 attention (FlashAttention) keeps no s x s matrix; the last stage keeps the logits in fp32.
+A layout fits when that fits the GPU's memory less the CUDA context's and NCCL's buffers
+(memory_per_gpu.reserve_bytes).
 
-Time, per step: compute at a stated fraction of the peak, the routed experts' products
-at the slower of that and their HBM traffic (expert_matmul_slowdown); the pipeline's idle time
-(time_model.pipeline_bubble_fraction, m < p included); tensor-parallel collectives
-(comm_model.tensor_parallel_collectives) on NVLink, a stated fraction overlapped, or
-with tp_comm_overlap each beside a linear layer's product, as Transformer Engine runs them,
-or torch's eight a layer (torch_tp), six of them fused with their products under async_tp
-(tensor_parallel_overlapped_time); the
-pipeline's sends; the data-parallel collectives (comm_model.data_parallel_step_collectives)
-over NCCL's ring or tree (time_model.nccl_allreduce_time), hidden behind
-backward as far as they fit; context parallelism's ring, exposed where a block's transfer
-outlasts its compute; expert parallelism's dispatch, exposed (or, with ep_overlap or
-DualPipe, hidden behind the computation as far as it lasts).
+Time, per step: compute at a stated fraction of the peak (the layers' and the head's
+products, attention's as a kernel runs them, the embedding's lookup none), the routed
+experts' products at the slower of that and their HBM traffic (expert_matmul_slowdown);
+the pipeline's idle time (time_model.pipeline_bubble_fraction, m < p included), each slot
+a micro-batch's computation and exposed traffic; tensor-parallel collectives
+(comm_model.tensor_parallel_collectives, the embedding's on the first stage, the head's on
+the last) on NVLink, a stated fraction overlapped, or with tp_comm_overlap each beside a
+linear layer's product, as Transformer Engine runs them, or torch's eight a layer
+(torch_tp), six of them fused with their products under async_tp
+(tensor_parallel_overlapped_time); the pipeline's sends, in series or beside the
+computation (Settings.pp_async); the data-parallel collectives
+(comm_model.data_parallel_step_collectives) over NCCL's ring or tree
+(time_model.nccl_allreduce_time), the gradients in Settings.grad_reduce, the reductions
+hidden behind the backward and the parameters' gathers after the step behind the next
+forward as far as they fit, and a tied embedding's gradient summed between the end
+stages; context parallelism's ring or all-gather; expert parallelism's dispatch (in
+Settings.dispatch_bytes) and combine, exposed (or, with ep_overlap or DualPipe, hidden
+behind the computation as far as it lasts).
 
 Precision (Settings.precision): bf16, or FP8 for the layers' linear products, which then
 run precision_model.FP8_MATMUL_RATIO times faster, the H100's measured FP8 matrix rate over
@@ -71,22 +82,27 @@ planner` and `planner.<name>` work as they did when the planner was one file.
 
 from .shapes import (ASPECT, GPT_VOCAB, HEAD_DIM, HashedOnce, Model, largest_layer_params,
                      layer_kinds, rank_params, shape_from_params, stage_params)
-from .settings import (COMPUTE_EFFICIENCY, RECOMPUTE, SCHEDULES, TP_OVERLAP, VALUE_BYTES, ZERO,
-                       Hardware, Settings)
+from .settings import (ALL_TO_ALL_RESERVE_GB, COMPUTE_EFFICIENCY, GRAD_REDUCE_BYTES, RECOMPUTE,
+                       RUNTIME_RESERVE_GB, SCHEDULES, TP_OVERLAP, VALUE_BYTES, ZERO, Hardware,
+                       Settings)
 from .presets import PRESETS
 from .layout import (MAX_END_TRIM, chunk_flops, chunk_split, divisors, expert_replicas,
+                     interleavings, layer_flops,
                      members_per_node, moe_count, most_moe_layers, most_virtual_stages,
                      parse_layout, rank_chunks, rank_layers, stage_flops, stage_imbalance,
                      stage_spans, stage_split)
-from .collectives import group_time, priced
+from .collectives import group_time, priced, priced_counts
 from .tensor_parallel import (tensor_parallel_overlapped_time, tensor_parallel_plan,
                               tensor_parallel_seconds, tensor_parallel_time)
-from .data_parallel import (data_parallel_exposed_seconds, data_parallel_time,
-                            slowest_data_parallel_time, stage_data_parallel_time)
-from .pipeline import bubble_seconds, send_seconds
-from .context_parallel import ring_seconds
+from .data_parallel import (data_parallel_exposed_seconds, data_parallel_parts,
+                            data_parallel_time, rank_data_parallel_parts,
+                            slowest_data_parallel_time, stage_data_parallel_time,
+                            tied_embedding_seconds)
+from .pipeline import bubble_seconds, send_seconds, sends_overlapped
+from .context_parallel import CP_SCHEMES, context_parallel_seconds
 from .expert_parallel import dispatch_collective_time, dispatch_seconds, expert_matmul_slowdown
-from .memory_per_gpu import memory, stage_activation_values, stage_footprints, state_bytes
+from .memory_per_gpu import (memory, reserve_bytes, stage_activation_values, stage_footprints,
+                             state_bytes, with_reserve)
 from .step import mfu, step_time
-from .search import (CHUNKS, MICRO_BATCH_SIZES, cheapest_recompute, configurations,
+from .search import (MICRO_BATCH_SIZES, cheapest_recompute, configurations,
                      degree_options, evaluate, plan, rank_layout, settings_for, why_not)

@@ -30,6 +30,12 @@ def priced(collectives, size, per_node, hw, gather_bytes=VALUE_BYTES, reduce_byt
     """Seconds of a list of (op, elements) collectives of 16-bit values (group_time), the
     all-gathers' at `gather_bytes` per element (less where FP8 weights are gathered), the
     reductions' at `reduce_bytes` (more where gradients are reduced in fp32)."""
+    return priced_counts(Counter(collectives), size, per_node, hw, gather_bytes, reduce_bytes)
+
+
+def priced_counts(counts, size, per_node, hw, gather_bytes=VALUE_BYTES,
+                  reduce_bytes=VALUE_BYTES):
+    """priced, of {(op, elements): how many} collectives."""
     return sum(count * group_time(op, (gather_bytes if op == "all_gather" else reduce_bytes)
                                   * numel, size, per_node, hw)
-               for (op, numel), count in Counter(collectives).items())
+               for (op, numel), count in counts.items())

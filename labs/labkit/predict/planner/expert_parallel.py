@@ -43,7 +43,7 @@ def expert_matmul_slowdown(model, tokens, etp, ep, rate, hw, fp8=False,
 
 
 @functools.lru_cache(maxsize=4096)
-def dispatch_collective_time(model, tokens, ep, etp, hw):
+def dispatch_collective_time(model, tokens, ep, etp, hw, value_bytes=VALUE_BYTES):
     """Seconds of one of a MoE layer's four dispatcher passes for one micro-batch (the
     dispatch and the combine forward, and their gradients backward), a rank's `tokens`
     (its sequence-parallel share of a micro-batch) reaching the experts of its etp x ep
@@ -59,39 +59,50 @@ def dispatch_collective_time(model, tokens, ep, etp, hw):
       all-gather  every token gathered over the etp x ep ranks, each rank keeping those
                   routed to its experts (the combine reduce-scatters): Megatron-Core's
                   default, cheaper with few ranks and a large top_k.
-    The routing map and probabilities that travel with the tokens are left out."""
+    Each token's hidden values travel in `value_bytes` (2, or DeepSeek-V3's FP8
+    dispatch, 1). The routing map and probabilities that travel with the tokens, and an
+    FP8 dispatch's scales, are left out."""
     all_to_all = 0.0
     if ep > 1:
         per_node = members_per_node(etp, ep, hw)
         nodes = max(1, ep // per_node)
         copies = model.top_k * (ep - 1) / ep
-        nv_bytes = VALUE_BYTES * tokens * model.hidden * copies
+        nv_bytes = value_bytes * tokens * model.hidden * copies
         if nodes > 1:
             # node-limited: one copy per node reached, forwarded inside it; otherwise one
             # copy per routed expert on another node
             off_node = float(comm_model.expected_network_copies(
                 model.experts, nodes, model.top_k, model.node_limit or None,
                 once_per_node=bool(model.node_limit)))
-            net_bytes = VALUE_BYTES * tokens * model.hidden * off_node
+            net_bytes = value_bytes * tokens * model.hidden * off_node
             all_to_all += max(hw.network[0] + net_bytes / hw.network[1],
                               hw.nvlink[0] + nv_bytes / hw.nvlink[1])
         else:
             all_to_all += hw.nvlink[0] + nv_bytes / hw.nvlink[1]
     if etp > 1:   # the gathered copies of the etp ranks' tokens, top_k of each
-        gathered = VALUE_BYTES * etp * tokens * model.top_k * model.hidden
+        gathered = value_bytes * etp * tokens * model.top_k * model.hidden
         all_to_all += time_model.shard_collective_time(gathered, etp, *hw.nvlink)
     group = etp * ep
-    all_gather = group_time("all_gather", VALUE_BYTES * tokens * group * model.hidden, group,
+    all_gather = group_time("all_gather", value_bytes * tokens * group * model.hidden, group,
                             members_per_node(1, group, hw), hw)
     return min(all_to_all, all_gather)
 
 
-def dispatch_seconds(model, cut, chunks, batch, seq, tp, ep, etp, microbatches, recompute, hw):
-    """The dispatcher's dispatch and combine, forward and backward, on the rank with most
-    MoE layers, all exposed, and the forward's again where full recomputation reruns it,
-    as it reruns the tensor-parallel collectives."""
+def dispatch_seconds(model, cut, chunks, batch, seq, tp, ep, etp, microbatches, recompute, hw,
+                     dispatch_bytes=VALUE_BYTES):
+    """The dispatcher's passes on the rank with most MoE layers, all exposed: forward the
+    dispatch (tokens to their experts) and the combine (back), backward their gradients,
+    which travel the other way (the combine's gradient as a dispatch does, to the experts;
+    the dispatch's as a combine); full recomputation runs the forward's two again, as it
+    reruns the tensor-parallel collectives. What goes to the experts travels in
+    `dispatch_bytes` a value (Settings.dispatch_bytes: DeepSeek-V3 dispatches in FP8, the
+    activations before the up-projections forward and the gradients before the
+    down-projections backward, and keeps both combines in bf16; DeepSeek-V3 section
+    3.3.3), what comes back in 16 bits."""
     if not (model.experts and (ep > 1 or etp > 1)):
         return 0.0
-    passes = 6 if recompute == "full" else 4
-    return passes * dispatch_collective_time(model, batch * seq / tp, ep, etp, hw) \
-        * most_moe_layers(model, cut, chunks) * microbatches
+    each = 3 if recompute == "full" else 2
+    tokens = batch * seq / tp
+    passes = each * (dispatch_collective_time(model, tokens, ep, etp, hw, dispatch_bytes)
+                     + dispatch_collective_time(model, tokens, ep, etp, hw))
+    return passes * most_moe_layers(model, cut, chunks) * microbatches

@@ -49,23 +49,39 @@ def members_per_node(inner, size, hw):
     return math.gcd(size, hw.gpus_per_node // inner) if inner < hw.gpus_per_node else 1
 
 
+@functools.lru_cache(maxsize=4096)
+def layer_flops(model, flash=True):
+    """(FLOPs per token of a dense layer, of a mixture-of-experts layer): 6 x its active
+    parameters (its top_k routed experts and the shared ones) and attention's products as a
+    kernel runs them."""
+    attention = model.attention_flops_executed_per_token(flash) / model.layers
+
+    def flops(layer):
+        moe = model.experts and layer >= model.dense_layers
+        unused = (model.experts - model.top_k) * sum(model.mlp(model.expert_hidden)) \
+            if moe else 0
+        return 6 * (sum(model.layer_params(layer)) - unused) + attention
+
+    # layer 0 is dense where the model has a dense layer at all; layer dense_layers, the
+    # first MoE layer where it has experts
+    return flops(0), flops(model.dense_layers)
+
+
+@functools.lru_cache(maxsize=65536)
 def chunk_flops(model, cut, flash=True):
-    """[FLOPs per token of each virtual stage (chunk) holding `cut`'s layers, in order]: each
-    layer 6 x its active parameters and attention's products, the head's 6 V h on the last."""
-    attention = model.attention_flops_per_token() / model.layers * (0.5 if flash else 1)
-    routed_unused = (model.experts - model.top_k) * sum(model.mlp(model.expert_hidden)) \
-        if model.experts else 0
-
-    def layer_flops(i):
-        unused = routed_unused if model.experts and i >= model.dense_layers else 0
-        return 6 * (sum(model.layer_params(i)) - unused) + attention
-
+    """(FLOPs per token of each virtual stage (chunk) holding `cut`'s layers, in order): each
+    layer 6 x its active parameters and attention's products as a kernel runs them
+    (Model.attention_flops_executed_per_token), the head's 6 V h on the last. The input
+    embedding is a lookup: no FLOPs, tied to the head or not."""
+    dense, moe = layer_flops(model, flash)
     chunks, start = [], 0
-    for count in cut:
-        chunks.append(sum(layer_flops(i) for i in range(start, start + count)))
+    for count in cut:   # a layer's FLOPs depend on its kind alone
+        moe_count = max(0, start + count - max(start, model.dense_layers)) \
+            if model.experts else 0
+        chunks.append((count - moe_count) * dense + moe_count * moe)
         start += count
     chunks[-1] += 6 * model.vocab * model.hidden   # the logits' product, tied weights or not
-    return chunks
+    return tuple(chunks)
 
 
 def stage_flops(model, cut, flash=True, chunks=1):
@@ -205,3 +221,22 @@ def parse_layout(text):
     if missing:
         raise ValueError(f"the layout {text!r} needs {', '.join(sorted(missing))}")
     return {"cp": 1, "ep": 1, "etp": layout["tp"], **layout}
+
+
+@functools.lru_cache(maxsize=4096)
+def interleavings(model, pp, flash=True):
+    """The chunks per rank v the search tries with pp stages: 1, and with pp > 1 every v
+    whose pp x v chunks can hold the layers evenly but for the two end chunks: the layers
+    a multiple of pp x v, as Megatron-LM's interleaved schedule asks, or up to
+    MAX_END_TRIM layers fewer at each end (its first and last stages' own layer counts),
+    the end chunks down to none: Llama 3's 126 layers in 16 x 8 chunks, Megatron-Bridge's
+    DeepSeek-V3 61 in 8 x 4. chunk_split then cuts them."""
+    options = [1]
+    if pp == 1:
+        return options
+    for v in range(2, most_virtual_stages(model, 2) // pp + 1):
+        size = -(-model.layers // (pp * v))            # the chunks' layers, rounded up
+        short = pp * v * size - model.layers            # what the end chunks give up
+        if short <= min(2 * MAX_END_TRIM, 2 * size) and chunk_split(model, pp, v, flash):
+            options.append(v)
+    return options

@@ -6,7 +6,7 @@ import functools
 
 from .. import memory_model
 from .layout import chunk_split, expert_replicas, rank_layers
-from .settings import VALUE_BYTES
+from .settings import ALL_TO_ALL_RESERVE_GB, RUNTIME_RESERVE_GB, VALUE_BYTES
 from .shapes import largest_layer_params, rank_params
 
 
@@ -19,16 +19,18 @@ def state_bytes(params, replicas, zero, states):
 
 @functools.lru_cache(maxsize=65536)
 def stage_activation_values(model, first_layer, layers, tp, flash, fp8_activations=False,
-                            etp=None):
+                            etp=None, sequence_parallel=True):
     """(sum, largest) of layer_activation_values over a stage's layers."""
-    values = [model.layer_activation_values(i, tp, True, flash, fp8_activations, etp)
+    values = [model.layer_activation_values(i, tp, sequence_parallel, flash, fp8_activations,
+                                            etp)
               for i in range(first_layer, first_layer + layers)]
     return sum(values), max(values, default=0)
 
 
 @functools.lru_cache(maxsize=65536)
 def stage_footprints(model, cut, tp, ep, replicas, zero, recompute, flash,
-                     fp8_activations=False, states="mixed", chunks=1, etp=None):
+                     fp8_activations=False, states="mixed", chunks=1, etp=None,
+                     sequence_parallel=True):
     """Per pipeline stage, what one rank holds whatever the micro-batches: (its model
     states {params, grads, optimizer, total} in mixed-precision Adam, the dense weights
     over `replicas` ranks and each expert's over replicas x tp / (ep x etp), the experts'
@@ -58,14 +60,14 @@ def stage_footprints(model, cut, tp, ep, replicas, zero, recompute, flash,
                      "grads": held["grads"] + VALUE_BYTES * largest}
             held = {**held, **whole, "total": held["total"] + 2 * VALUE_BYTES * largest}
         if recompute == "full":     # each layer's input, and one layer rebuilt at a time
-            kept = count * model.hidden / tp
+            kept = count * model.hidden / (tp if sequence_parallel else 1)
             rebuilt = max(stage_activation_values(model, start, layers, tp, flash,
-                                                  fp8_activations, etp)[1]
+                                                  fp8_activations, etp, sequence_parallel)[1]
                           for start, layers in chunk_spans)
         else:   # selective recomputation rebuilds attention's s x s part: none kept
             kept = sum(stage_activation_values(model, start, layers, tp,
                                                flash or recompute != "none",
-                                               fp8_activations, etp)[0]
+                                               fp8_activations, etp, sequence_parallel)[0]
                        for start, layers in chunk_spans)
             rebuilt = 0
         footprints.append((held, kept, rebuilt))
@@ -73,8 +75,9 @@ def stage_footprints(model, cut, tp, ep, replicas, zero, recompute, flash,
 
 
 def memory(model, layout, settings, hw):
-    """{params, grads, optimizer, states, activations, logits, total, stage} bytes on the
-    fullest GPU of `layout` (dp, tp, pp, cp, ep, v, micro_batch, microbatches, zero,
+    """{params, grads, optimizer, states, activations, logits, total, stage, reserve,
+    usable} bytes on the fullest GPU of `layout` (total: its tensors; usable: the nominal
+    memory less the runtime's reserve, with_reserve) (dp, tp, pp, cp, ep, v, micro_batch, microbatches, zero,
     recompute; dualpipe). With dualpipe = 1, DualPipe (DeepSeek-V3 §3.2.1): rank r holds
     stages r and pp - 1 - r, two copies of the parameters (the report's Table 2), each with
     its own weights and gradients; a stage's two copies are one parameter set with twice
@@ -94,11 +97,13 @@ def memory(model, layout, settings, hw):
     cut = chunk_split(model, pp, v, settings.flash_attention)
     footprints = stage_footprints(model, cut, tp, ep, replicas, zero, recompute,
                                   settings.flash_attention, settings.fp8_activations,
-                                  settings.states, v, layout.get("etp", tp))
+                                  settings.states, v, layout.get("etp", tp),
+                                  settings.sequence_parallel)
     # the last stage's head: the final norm's input and output (split by sequence
     # parallelism) and the logits' softmax in fp32, split over the vocabulary, for the
     # micro-batch whose backward comes next (memory_model.stage_activation_bytes)
-    head_bytes = (VALUE_BYTES * 2 * model.hidden / tp + 4 * model.vocab / tp) * tokens
+    norm_split = tp if settings.sequence_parallel else 1
+    head_bytes = (VALUE_BYTES * 2 * model.hidden / norm_split + 4 * model.vocab / tp) * tokens
     if not layout.get("dualpipe"):
         # one stage per rank, micro-batches (1F1B) or chunk-micro-batches of 1/v of the
         # layers in flight: the loop below, written out, as the planner runs it most
@@ -114,10 +119,10 @@ def memory(model, layout, settings, hw):
                 worst_total = states["total"] + activations
                 worst_stage = (stage, states, activations, head)
         stage, states, activations, head = worst_stage
-        return {"params": states["params"], "grads": states["grads"],
-                "optimizer": states["optimizer"], "states": states["total"],
-                "activations": activations, "logits": head, "total": worst_total,
-                "stage": stage}
+        return with_reserve({"params": states["params"], "grads": states["grads"],
+                             "optimizer": states["optimizer"], "states": states["total"],
+                             "activations": activations, "logits": head,
+                             "total": worst_total, "stage": stage}, model, layout, hw)
     holdings = memory_model.dualpipe_peak_microbatches(pp, m)   # [(stage, held)] per rank
     worst = None
     for rank, held_stages in enumerate(holdings):
@@ -140,4 +145,18 @@ def memory(model, layout, settings, hw):
                      "activations": activations, "logits": head, "total": total,
                      "stage": rank}
             worst["stages"] = tuple(stage for stage, _ in held_stages)
-    return worst
+    return with_reserve(worst, model, layout, hw)
+
+
+def reserve_bytes(model, layout):
+    """What the CUDA context and NCCL's buffers take on a GPU (settings.RUNTIME_RESERVE_GB),
+    the all-to-all's buffers too where a mixture of experts dispatches over ep > 1 ranks."""
+    all_to_all = model.experts and layout.get("ep", 1) > 1
+    return (RUNTIME_RESERVE_GB + (ALL_TO_ALL_RESERVE_GB if all_to_all else 0.0)) * 1e9
+
+
+def with_reserve(held, model, layout, hw):
+    """`held` with "reserve" (reserve_bytes) and "usable": the nominal memory less it, what
+    the tensors ("total") must fit in."""
+    reserve = reserve_bytes(model, layout)
+    return {**held, "reserve": reserve, "usable": hw.gpu_memory_gb * 1e9 - reserve}

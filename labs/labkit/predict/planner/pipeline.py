@@ -6,13 +6,27 @@ from .layout import stage_imbalance
 from .settings import VALUE_BYTES
 
 
-def bubble_seconds(model, cut, pp, microbatches, chunks, work, forward, flash, dualpipe=False):
+def sends_overlapped(settings, chunks):
+    """Whether the pipeline's sends run beside the computation (Settings.pp_async): as
+    Llama 3 ran them (Dubey et al., 2024, section 3.3.2), or by Megatron-LM's default, with
+    the interleaved schedule only (its --no-overlap-p2p-communication turns it off; its
+    validate_args turns it off without interleaving). Overlapped, a send is exposed only
+    in the fill and drain, where the next stage waits for it."""
+    return (chunks > 1) if settings.pp_async is None else settings.pp_async
+
+
+def bubble_seconds(model, cut, pp, microbatches, chunks, work, forward, flash, dualpipe=False,
+                   communication=0.0):
     """The pipeline's idle time in a step of `work` seconds of computation a rank
     (`forward` of them the forward's). The pipeline waits for its slowest stage (the
     embedding's and the head's work sit on the first and last), and idles in the
-    schedule's fill and drain. Interleaved, the fill and drain wait on the other ranks'
-    first chunks: a rank's time over v stands in for them, exact when the chunks hold the
-    same layers."""
+    schedule's fill and drain, whose slots each last a micro-batch's computation and its
+    exposed `communication` (tensor-, context- and expert-parallel collectives and the
+    pipeline's own sends, a step's of each; Narayanan et al., 2021, section 2.2: the
+    bubble is (p - 1)/(v m) of the time the m micro-batches take). Interleaved, the fill
+    and drain wait on the other ranks' first chunks: a rank's time over v stands in for
+    them, exact when the chunks hold the same layers. DualPipe's is its report's Table 2,
+    in units of the computation alone."""
     slowest = work * stage_imbalance(model, cut, flash, chunks)
     if dualpipe:
         # DeepSeek-V3's Table 2: (pp/2 - 1)(F&B + B - 3W) per micro-batch, F&B the
@@ -23,13 +37,14 @@ def bubble_seconds(model, cut, pp, microbatches, chunks, work, forward, flash, d
         return slowest - work + (pp / 2 - 1) * (2 * b_time - 2 * forward) / work * slowest \
             / microbatches
     fraction = time_model.pipeline_bubble_fraction(pp, microbatches, chunks)
-    return slowest / (1 - fraction) - work
+    return (slowest + communication) / (1 - fraction) - work - communication
 
 
 def send_seconds(model, batch, seq, tp, cp, dp, pp, microbatches, chunks, hw):
-    """An activation forward and its gradient back per micro-batch and chunk; each
-    tensor-parallel rank sends its own 1/tp of the tokens (sequence parallelism splits
-    them, as Megatron-LM's scatter/gather does without it) of its s/cp."""
+    """The pipeline's sends in a step, one after the other: an activation forward and its
+    gradient back per micro-batch and chunk; each tensor-parallel rank sends its own 1/tp
+    of the tokens (sequence parallelism splits them, as Megatron-LM's scatter/gather does
+    without it) of its s/cp."""
     if pp == 1:
         return 0.0
     alpha, beta = hw.nvlink if tp * cp * dp * pp <= hw.gpus_per_node else hw.network

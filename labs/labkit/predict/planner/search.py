@@ -4,12 +4,11 @@ among them (rank_layout)."""
 
 import math
 
-from .layout import chunk_split, divisors, most_virtual_stages, stage_split
+from .layout import chunk_split, divisors, interleavings, most_virtual_stages, stage_split
 from .memory_per_gpu import memory
 from .step import mfu, step_time
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
-CHUNKS = (1, 2, 4)             # interleaved: model chunks per rank considered
 
 
 def why_not(model, layout, settings, hw):
@@ -23,6 +22,10 @@ def why_not(model, layout, settings, hw):
         return f"tp {tp} does not divide the {model.heads} heads ({model.kv_heads or model.heads} key-value)"
     if model.vocab % tp:
         return f"tp {tp} does not divide the vocabulary of {model.vocab}"
+    if tp > 1 and not settings.sequence_parallel and (settings.tp_comm_overlap
+                                                      or settings.async_tp):
+        return ("overlapping tensor-parallel collectives with their products needs sequence "
+                "parallelism (Transformer Engine's and torch's both do)")
     if pp * v > most_virtual_stages(model, v):
         return (f"pp {pp} x {v} chunks is more than the {model.layers} layers"
                 + (" and two end chunks without one" if v > 1 else ""))
@@ -68,7 +71,7 @@ def evaluate(model, layout, settings, hw, mem=None):
     chunks = {"chunk_layers": list(chunk_split(model, pp, v, settings.flash_attention))} \
         if v > 1 else {}
     return {**layout, "stage_layers": list(split), **chunks, "memory_bytes": mem,
-            "fits": mem["total"] <= hw.gpu_memory_gb * 1e9,
+            "fits": mem["total"] <= mem["usable"],
             "time_s": time_s,
             "tokens_per_s_per_gpu": settings.global_batch_tokens / time_s["step"] / hw.gpus,
             "mfu": mfu(model, settings, hw, time_s["step"]),
@@ -80,7 +83,7 @@ def settings_for(model, degrees, settings):
     sequences = settings.global_batch_tokens // model.seq // degrees["dp"]
     pp = degrees["pp"]
     chunk_options = [degrees["chunks"]] if "chunks" in degrees else \
-        [v for v in CHUNKS if pp > 1 or v == 1]
+        interleavings(model, pp, settings.flash_attention)
     for b in MICRO_BATCH_SIZES:
         if sequences % b:
             continue
@@ -91,7 +94,8 @@ def settings_for(model, degrees, settings):
                 for recompute in settings.recompute:
                     yield {**degrees, "chunks": v, "micro_batch": b,
                            "microbatches": sequences // b, "zero": zero,
-                           "recompute": recompute, "sequence_parallel": degrees["tp"] > 1}
+                           "recompute": recompute,
+                           "sequence_parallel": degrees["tp"] > 1 and settings.sequence_parallel}
 
 
 def degree_options(model, hw, cp=None, ep=None):
@@ -123,7 +127,7 @@ def configurations(model, settings, hw, cp=None, ep=None):
             if why_not(model, config, settings, hw):
                 continue
             mem = memory(model, config, settings, hw)
-            if mem["total"] <= hw.gpu_memory_gb * 1e9:   # only what fits is timed
+            if mem["total"] <= mem["usable"]:   # only what fits is timed
                 found.append(evaluate(model, config, settings, hw, mem))
     found.sort(key=lambda c: (c["time_s"]["step"], c["memory_bytes"]["total"]))
     return found
@@ -160,7 +164,8 @@ def rank_layout(model, degrees, settings, hw, found):
         reason = ("no micro-batch size divides the batch" if smallest is None else
                   f"needs {smallest['memory_bytes']['total'] / 1e9:.1f} GB per GPU at "
                   f"least (micro-batch {smallest['micro_batch']}, {smallest['zero']}, "
-                  f"recompute {smallest['recompute']}), more than "
+                  f"recompute {smallest['recompute']}), more than the "
+                  f"{smallest['memory_bytes']['usable'] / 1e9:.1f} GB usable of "
                   f"{hw.gpu_memory_gb:g} GB")
         return {**layout, "rank": None, "step_time_s": None, "best_step_time_s": best_time,
                 "reason": reason}

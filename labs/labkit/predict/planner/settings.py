@@ -9,8 +9,8 @@ from .shapes import HashedOnce
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "interleaved")
 ZERO = memory_model.STRATEGIES
-# bf16 activations and collectives, the gradients' reductions included: a lower bound
-# where a run reduces in fp32, as Megatron-LM with bf16 and torchtitan do by default
+# bf16 activations and collectives; the gradients' data-parallel reductions take
+# GRAD_REDUCE_BYTES instead
 VALUE_BYTES = 2
 # The fraction of the dense peak the computation runs at when nothing waits: large bf16
 # matmuls reach well above it, attention, norms and elementwise kernels well below. An
@@ -20,6 +20,22 @@ COMPUTE_EFFICIENCY = 0.55
 # 2021 runs and torch's plain TP; asynchronous TP (torchtitan's, Megatron-Core's
 # --tp-comm-overlap) hides part of them: pass the fraction (--tp-overlap).
 TP_OVERLAP = 0.0
+# Bytes a gradient value takes in the data-parallel reductions (Settings.grad_reduce). fp32
+# is the frameworks' default: Megatron-LM reduces bf16 runs' gradients in fp32 (its
+# validate_args sets accumulate_allreduce_grads_in_fp32 for bf16; --grad-reduce-in-bf16
+# turns it off), Llama 3 reduce-scattered in fp32 (Dubey et al., 2024, section 3.3.2),
+# torchtitan sets FSDP2's reduce_dtype to fp32 (mixed_precision_reduce). 16 bits where a
+# run says so: Megatron-LM's fp16 runs (fp16, without
+# --accumulate-allreduce-grads-in-fp32), NeMo's grad_sync_dtype bf16, FSDP2's default
+# reduce_dtype (the parameters' dtype, bf16 under a bf16 MixedPrecisionPolicy)
+GRAD_REDUCE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# Memory a GPU's tensors cannot have: the CUDA context and NCCL's buffers, 1.06 GB on each
+# of eight H100s before a first all-to-all, 4.34 GB after it (NVIDIA/nccl issue 1685; the
+# context alone about 0.4 GB with lazy loading, pytorch issue 109888). A layout fits when
+# its tensors fit the nominal memory less this reserve; the allocator's fragmentation is
+# not reserved (the 5-D chapter compares each published layout's room left with it)
+RUNTIME_RESERVE_GB = 1.06
+ALL_TO_ALL_RESERVE_GB = 4.34 - 1.06
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +90,25 @@ class Settings(HashedOnce):
     fp8_activations: bool = False
     # what the states take per parameter (precision_model.RECIPES): the ZeRO paper's
     # mixed precision, 2 + 2 + 12 bytes, or a framework's fp32 gradient buffer, as
-    # Megatron-LM keeps with bf16 (fp32_grads: 2 + 4 + 12, its gradients reduced in fp32)
+    # Megatron-LM keeps with bf16 (fp32_grads: 2 + 4 + 12); what the reductions carry is
+    # grad_reduce's
     states: str = "mixed"
+    # context parallelism's scheme (context_parallel.CP_SCHEMES): Megatron-Core's default
+    # ring ("p2p"), or Llama 3's all-gather of K and V, exposed
+    cp_scheme: str = "ring"
+    # sequence parallelism with tp > 1 (Korthikanti et al., 2022): on, as Megatron-Core's
+    # recipes, NeMo's and torchtitan's run it; off, tensor parallelism all-reduces the
+    # layers' outputs and keeps their inputs whole on each rank, as Megatron-LM's 2021 runs
+    sequence_parallel: bool = True
+    # the pipeline's sends beside the computation (True, as Llama 3 ran them), one after
+    # the other (False), or None: Megatron-LM's default, overlapped only when interleaved
+    pp_async: object = None
+    # the data-parallel reductions' precision (GRAD_REDUCE_BYTES): fp32, the frameworks'
+    # default with bf16, or a run's own 16 bits
+    grad_reduce: str = "fp32"
+    # bytes a value of the tokens dispatched to their experts (expert_parallel.
+    # dispatch_seconds): 2, or DeepSeek-V3's FP8 dispatch, 1; the combine stays 16-bit
+    dispatch_bytes: int = VALUE_BYTES
 
 
 # dataclass(frozen=True) writes a __hash__ of its own into each class: put the cached one back

@@ -5,7 +5,7 @@ parameter count. Imports nothing of the planner: every other file of it builds o
 import dataclasses
 import functools
 
-from .. import memory_model
+from .. import memory_model, time_model
 
 
 class HashedOnce:
@@ -137,13 +137,17 @@ class Model(HashedOnce):
         return (split + m_split) / tp + keep * (replicated + m_repl), 0
 
     def outside_params(self, first, last, tp=1):
-        """Parameters of the embedding (first stage) and final norm and head (last)."""
+        """Parameters of the embedding (first stage) and final norm and head (last). A
+        head tied to the embedding shares its weights where one stage holds both; on a last
+        stage that is not the first, Megatron-LM keeps a copy of them for the head, whose
+        gradient it sums with the embedding's (memory_model.stage_params_per_rank)."""
         h = self.hidden
         count = 0
         if first:
             count += self.vocab * h / tp + (self.seq * h if self.gpt else 0)
-        if last:
-            count += (2 * h if self.gpt else h) + (0 if self.tied else self.vocab * h / tp)
+        if last:   # a tied head on another stage than the embedding keeps a copy of it
+            count += (2 * h if self.gpt else h) + (0 if self.tied and first
+                                                   else self.vocab * h / tp)
         return count
 
     def params(self):
@@ -196,6 +200,18 @@ class Model(HashedOnce):
         backward, causal masking not discounted: 12 L h s when a head's widths are
         hidden / heads, as Megatron-LM, PaLM and torchtitan count them."""
         return 6 * self.layers * self.seq * self.heads * (self.qk_dim + self.v_dim)
+
+    def attention_flops_executed_per_token(self, flash=True):
+        """Attention's products as a kernel runs them, forward and backward, per token: the
+        forward's two (attention_flops_per_token's third) and a backward of
+        time_model.attention_products_flops' ratio to it, 2.5 times the forward where a
+        fused kernel (FlashAttention) recomputes Q K^T, twice where the weights P are
+        kept; a fused kernel also skips the blocks a causal mask hides, half of them. The
+        MFU keeps the conventional count (attention_flops_per_token), not this one."""
+        products = time_model.attention_products_flops(self.seq, 1, 1, fused=flash)
+        forward = self.attention_flops_per_token() / 3
+        return forward * (1 + products["backward"] / products["forward"]) \
+            * (0.5 if flash else 1)
 
     # Activations: values one layer keeps per token (Korthikanti et al., 2022)
 

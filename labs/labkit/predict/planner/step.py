@@ -2,11 +2,12 @@
 each parallelism's traffic leaves exposed), and its model FLOPs utilization."""
 
 from .. import precision_model
-from .context_parallel import ring_seconds
-from .data_parallel import data_parallel_exposed_seconds
+from .context_parallel import context_parallel_seconds
+from .data_parallel import data_parallel_exposed_seconds, tied_embedding_seconds
 from .expert_parallel import dispatch_seconds, expert_matmul_slowdown
-from .layout import chunk_split, stage_split
-from .pipeline import bubble_seconds, send_seconds
+from .layout import chunk_flops, chunk_split, stage_split
+from .pipeline import bubble_seconds, send_seconds, sends_overlapped
+from .settings import GRAD_REDUCE_BYTES
 from .tensor_parallel import tensor_parallel_seconds
 
 
@@ -19,41 +20,57 @@ def step_time(model, layout, settings, hw):
     dualpipe = bool(layout.get("dualpipe"))
     n, rate = hw.gpus, hw.peak_tflops * 1e12 * settings.mfu
     tokens = settings.global_batch_tokens
-    # Attention's products as executed: a fused kernel skips the blocks a causal mask hides
-    attention = model.attention_flops_per_token() * (0.5 if settings.flash_attention else 1)
-    dense = 6 * model.active_params()
+    # The FLOPs a step runs (chunk_flops): the layers' 6 x active parameters, attention's
+    # products as a kernel runs them, the head's product; the embedding's lookup none
+    executed = sum(chunk_flops(model, (model.layers,), settings.flash_attention))
+    attention = model.attention_flops_executed_per_token(settings.flash_attention)
+    # attention's forward products: 2 of its 7 (fused) or 2 of 6 (the weights kept)
+    attention_forward = model.attention_flops_per_token() / 3 \
+        * (0.5 if settings.flash_attention else 1)
     # FP8 runs the layers' linear products at its measured higher rate, the rest stays bf16
     fp8 = 6 * model.active_matrix_params() if settings.precision == "fp8" else 0
-    compute = (dense - fp8 + fp8 / precision_model.FP8_MATMUL_RATIO + attention) \
-        * tokens / n / rate
+    matmuls = executed - attention - fp8 + fp8 / precision_model.FP8_MATMUL_RATIO
     if model.experts:   # the routed experts' products where their operands' traffic bounds them
         routed = 6 * model.top_k * model.moe_layers * model.mlp(model.expert_hidden)[0]
-        routed_s = routed / (precision_model.FP8_MATMUL_RATIO if fp8 else 1) * tokens / n / rate
         slowdown = expert_matmul_slowdown(
             model, b * (model.seq // cp) // tp * etp, etp, ep, rate, hw,
             settings.precision == "fp8", precision_model.RECIPES[settings.states].grads)
-        compute += routed_s * (slowdown - 1)
-    forward = compute / 3
+        matmuls += routed / (precision_model.FP8_MATMUL_RATIO if fp8 else 1) * (slowdown - 1)
+    compute = (matmuls + attention) * tokens / n / rate
+    # the forward: a third of the matrix products (backward: the inputs' and the weights'
+    # gradients), and attention's forward products
+    forward = (matmuls / 3 + attention_forward) * tokens / n / rate
+    # selective recomputation runs attention's forward products again
     extra = {"none": 0.0, "full": forward,
-             "selective": attention / 3 * tokens / n / rate}[recompute]
+             "selective": attention_forward * tokens / n / rate}[recompute]
     work = compute + extra
     cut = chunk_split(model, pp, v, settings.flash_attention)
     split = stage_split(model, pp, v, settings.flash_attention)
-    bubble = bubble_seconds(model, cut, pp, m, v, work, forward, settings.flash_attention,
-                            dualpipe)
     seq = model.seq // cp
-    tp_s = tensor_parallel_seconds(model, cut, v, seq, b, tp, pp, m, recompute, hw, rate,
-                                   settings)
-    pp_s = send_seconds(model, b, seq, tp, cp, dp, pp, m, v, hw)
+    tp_s = tensor_parallel_seconds(model, cut, v, seq, b, tp, m, recompute, hw, rate, settings)
+    sends = send_seconds(model, b, seq, tp, cp, dp, pp, m, v, hw)
+    # overlapped, the sends wait only in the fill and drain (the bubble's share below)
+    pp_s = 0.0 if sends_overlapped(settings, v) else sends
     dp_exposed = data_parallel_exposed_seconds(model, cut, tp, ep, zero, m, dp * cp, settings,
-                                               hw, v, etp, dualpipe, forward, work)
-    cp_s = ring_seconds(model, b, seq, tp, cp, max(split), m, rate, hw)
-    ep_s = dispatch_seconds(model, cut, v, b, seq, tp, ep, etp, m, recompute, hw)
+                                               hw, v, etp, dualpipe, forward,
+                                               compute - forward, work)
+    # a tied embedding's gradient summed between the first and the last stage, after the
+    # reductions: exposed
+    dp_exposed += tied_embedding_seconds(model, tp, pp, tp * cp * dp * pp <= hw.gpus_per_node,
+                                         hw, GRAD_REDUCE_BYTES[settings.grad_reduce])
+    cp_s = context_parallel_seconds(model, b, seq, tp, cp, max(split), m, rate, hw,
+                                    settings.cp_scheme, recompute, settings.flash_attention)
+    ep_s = dispatch_seconds(model, cut, v, b, seq, tp, ep, etp, m, recompute, hw,
+                            settings.dispatch_bytes)
     if dualpipe:   # one micro-batch's all-to-alls run beside another's compute
         exposed = max(0.0, ep_s + pp_s - work)   # what outlasts the computation, as ep
         ep_s, pp_s = exposed, 0.0
     elif settings.ep_overlap:
         ep_s = max(0.0, ep_s - work)
+    # the fill and drain wait for each micro-batch's computation and its exposed traffic,
+    # the pipeline's sends included, overlapped or not
+    bubble = bubble_seconds(model, cut, pp, m, v, work, forward, settings.flash_attention,
+                            dualpipe, tp_s + (0.0 if dualpipe else sends) + cp_s + ep_s)
     result = {"compute": compute, "recompute": extra, "bubble": bubble, "tp": tp_s,
               "pp": pp_s, "dp": dp_exposed, "cp": cp_s, "ep": ep_s}
     result["step"] = sum(result.values())

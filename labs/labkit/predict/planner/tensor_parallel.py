@@ -13,39 +13,47 @@ from .settings import VALUE_BYTES
 
 @functools.lru_cache(maxsize=65536)
 def tensor_parallel_time(layers, seq, batch, hidden, tp, embedding, microbatches, recompute,
-                         hw, fp8=False, moe_layers=0):
-    """Seconds of one rank's tensor-parallel collectives in a step, sequence parallelism
-    on (comm_model.tensor_parallel_collectives: the head's on the stage, the embedding's
-    too when it is the only stage), each at its ring time on NVLink. With `fp8` the layers'
-    all-gathers carry one byte a value: Transformer Engine casts a linear layer's input,
-    and its output's gradient, to FP8 before gathering them. Of `layers`, `moe_layers`
-    issue only their attention's half (the MLP's half has the same sizes): mixture-of-
-    experts layers without a shared expert, whose routed experts' tokens move by the
-    dispatcher's collectives instead (dispatch_collective_time)."""
+                         hw, fp8=False, moe_layers=0, head=True, sequence_parallel=True):
+    """Seconds of one rank's tensor-parallel collectives in a step
+    (comm_model.tensor_parallel_collectives: the embedding's where the rank holds it, the
+    head's and the loss's where it holds them), each at its ring time on NVLink; with
+    sequence parallelism all-gathers and reduce-scatters, without it (as Megatron-LM ran in
+    2021) all-reduces. With `fp8` the layers' all-gathers carry one byte a value:
+    Transformer Engine casts a linear layer's input, and its output's gradient, to FP8
+    before gathering them. Of `layers`, `moe_layers` issue only their attention's half
+    (the MLP's half has the same sizes): mixture-of-experts layers without a shared
+    expert, whose routed experts' tokens move by the dispatcher's collectives instead
+    (dispatch_collective_time)."""
     layer_part, outside, once = tensor_parallel_plan(layers, seq, batch, hidden, tp,
-                                                     embedding, recompute)
+                                                     embedding, recompute, head,
+                                                     sequence_parallel)
     gather = 1 if fp8 else VALUE_BYTES
     in_layers = priced(layer_part, tp, tp, hw, gather_bytes=gather) \
         * (1 - moe_layers / layers / 2)
     return (microbatches * (in_layers + priced(outside, tp, tp, hw)) + priced(once, tp, tp, hw))
 
 
-def tensor_parallel_plan(layers, seq, batch, hidden, tp, embedding, recompute):
-    """comm_model.tensor_parallel_collectives of one micro-batch with sequence parallelism,
-    in three parts: the layers' (10 a layer, 14 recomputing), the embedding's, the head's
-    and the loss's (every micro-batch issues both), and the replicated gradients'
+def tensor_parallel_plan(layers, seq, batch, hidden, tp, embedding, recompute, head=True,
+                         sequence_parallel=True):
+    """comm_model.tensor_parallel_collectives of one micro-batch in three parts: the
+    layers' (with sequence parallelism 10 a layer, 14 recomputing; without, 4 all-reduces,
+    6), the embedding's, the head's and the loss's where the rank holds them (every
+    micro-batch issues them), and, with sequence parallelism, the replicated gradients'
     all-reduce (once per step)."""
     plan = comm_model.tensor_parallel_collectives(
-        layers, seq, batch, hidden, tp, sequence_parallel=True, embedding=embedding,
-        head=True, microbatches=1, recompute=recompute)
-    in_layers = layers * (14 if recompute else 10)
+        layers, seq, batch, hidden, tp, sequence_parallel=sequence_parallel,
+        embedding=embedding, head=head, microbatches=1, recompute=recompute)
+    per_layer = (14 if recompute else 10) if sequence_parallel else (6 if recompute else 4)
+    in_layers = layers * per_layer
+    if not sequence_parallel:   # no replicated gradients to reduce
+        return plan[:in_layers], plan[in_layers:], []
     return plan[:in_layers], plan[in_layers:-1], plan[-1:]
 
 
 @functools.lru_cache(maxsize=65536)
 def tensor_parallel_overlapped_time(model, spans, seq, batch, tp, embedding,
                                     microbatches, recompute, hw, rate, fp8, style="te",
-                                    fused=True):
+                                    fused=True, head=True):
     """Seconds of one rank's tensor-parallel collectives in a step when each of a layer's
     sequence-parallel all-gathers and reduce-scatters runs beside a linear layer's product,
     approximated as: only what outlasts that product is exposed.
@@ -132,32 +140,37 @@ def tensor_parallel_overlapped_time(model, spans, seq, batch, tp, embedding,
         pairs += forward * (2 if recompute else 1)
         exposed += sum(max(0.0, comm - product) for comm, product in pairs)
     _, outside, once = tensor_parallel_plan(layers, seq, batch, model.hidden, tp, embedding,
-                                            recompute)
+                                            recompute, head)
     return microbatches * (exposed + priced(outside, tp, tp, hw)) + priced(once, tp, tp, hw)
 
 
-def tensor_parallel_seconds(model, cut, chunks, seq, batch, tp, pp, microbatches, recompute,
-                            hw, rate, settings):
+def tensor_parallel_seconds(model, cut, chunks, seq, batch, tp, microbatches, recompute, hw,
+                            rate, settings):
     """The step's tensor-parallel term: the exposed collectives of the rank whose traffic
-    is longest, its chunks holding `cut`'s layers; a MoE layer's MLP collectives are its
-    shared experts' (its routed experts' tokens move by the dispatcher's collectives,
+    is longest, its chunks holding `cut`'s layers, the embedding's collectives on the first
+    rank only and the head's and the loss's on the last; a MoE layer's MLP collectives are
+    its shared experts' (its routed experts' tokens move by the dispatcher's collectives,
     priced with expert parallelism): without a shared expert it issues only its
     attention's half."""
     if tp == 1:
         return 0.0
+    ranks = rank_layers(model, cut, chunks)
+    last = len(ranks) - 1
     torch_tp = settings.torch_tp or settings.async_tp
-    if settings.tp_comm_overlap or torch_tp:
+    if settings.sequence_parallel and (settings.tp_comm_overlap or torch_tp):
         style = "torch" if torch_tp else "te"
         seconds = max(tensor_parallel_overlapped_time(
-            model, spans, seq, batch, tp, pp == 1, microbatches, recompute == "full", hw, rate,
-            settings.precision == "fp8", style, settings.tp_comm_overlap or settings.async_tp)
-            for _, spans in rank_layers(model, cut, chunks))
+            model, spans, seq, batch, tp, rank == 0, microbatches, recompute == "full", hw,
+            rate, settings.precision == "fp8", style,
+            settings.tp_comm_overlap or settings.async_tp, rank == last)
+            for rank, spans in ranks)
         if not (settings.tp_comm_overlap or settings.async_tp):   # plain torch TP
             seconds *= 1 - settings.tp_overlap
         return seconds
     # a stated fraction hidden (--tp-overlap), or none
     return max(tensor_parallel_time(
-        sum(count for _, count in spans), seq, batch, model.hidden, tp, pp == 1, microbatches,
-        recompute == "full", hw, settings.precision == "fp8",
-        0 if model.shared_experts else moe_count(model, spans))
-        for _, spans in rank_layers(model, cut, chunks)) * (1 - settings.tp_overlap)
+        sum(count for _, count in spans), seq, batch, model.hidden, tp, rank == 0,
+        microbatches, recompute == "full", hw, settings.precision == "fp8",
+        0 if model.shared_experts else moe_count(model, spans), rank == last,
+        settings.sequence_parallel)
+        for rank, spans in ranks) * (1 - settings.tp_overlap)
