@@ -29,12 +29,13 @@ H100_NVL_BF16_FLOPS = 835e12   # the H100 NVL's: 1,671 TFLOP/s with sparsity, ha
 # The memory nvidia-smi reports as an H100 80GB's total, 85.5 GB ("0MiB / 81559MiB" in
 # NVIDIA/nccl issue 1264), and the total CUDA reports, 79.11 GiB (84.9 GB: what
 # torch.cuda.OutOfMemoryError prints as the GPU's "total capacity" on an H100 80GB): the
-# planner fits layouts in the nominal 80 GB, leaving the rest to the CUDA context (about
+# planner fits layouts in the nominal 80 GB less a reserve (planner.settings:
+# RUNTIME_RESERVE_GB, ALL_TO_ALL_RESERVE_GB) for the CUDA context (about
 # 400 MB with lazy loading: pytorch issue 109888), NCCL's buffers (0.5-0.7 GB a process
 # group on A100s, nccl issue 964; 4.34 GB outside PyTorch's memory, context included,
 # after an all-to-all on eight H100s, nccl issue 1685) and fragmentation (GMLake, ASPLOS 2024, needed 9.2 GB less than PyTorch's caching
-# allocator on average over eight LLMs on A100 80GBs), which that room cannot always hold:
-# the 5-D chapter says so
+# allocator on average over eight LLMs on A100 80GBs), which is not reserved: the 5-D
+# chapter names the published layouts that leave less than that free
 H100_80GB_REPORTED_MIB = 81_559
 # HBM bandwidth, bytes/s (datasheets): the H100 SXM's 3.35 TB/s (the H800 SXM's is the
 # same), the A100 80GB SXM's 2,039 GB/s. The planner's roofline for the routed experts'
