@@ -191,6 +191,9 @@ RUNS = (
     Run("hybrid", "5-D parallelism", largest_mesh),
     Run("resilience", "failures and resuming", launches=resilience_launches),
     Run("hang", "hangs", launches=hang_launches),
+    # started once: the lab forks its replica groups itself, a GPU each where there are enough
+    Run("fault_tolerance", "keeping a job alive", launches=(Launch("fault_tolerance", nproc=1),)),
+    Run("data_order", "keeping a job alive", launches=(Launch("data_order", nproc=1),)),
 )
 
 

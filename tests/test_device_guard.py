@@ -33,6 +33,8 @@ SMALLEST = {
     "zero_libraries": (None, ["--library", "deepspeed-zero3", "--steps", 1]),
     "hang": (2, ["--mode", "none", "--timeout", 20]),
     "low_communication": (2, ["--steps", 2, "--sync-every", 1, "--slow-ns-per-byte", 0]),
+    "fault_tolerance": (None, ["--groups", 2, "--state-mb", 0, "--no-checkpoint-restart"]),
+    "data_order": (None, ["--resizes", "1:1"]),
 }
 GUARDED_ELSEWHERE = ("memory", "pipeline", "precision", "ring_allreduce")
 

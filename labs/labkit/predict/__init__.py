@@ -17,8 +17,12 @@ the chapters, the tests and the sizing page.
                  step beside them
   low_communication_model  sending less: the bytes a step sends under compression (bf16,
                  PowerSGD) and fewer syncs (local SGD, DiLoCo, Streaming DiLoCo), and its time
+  fault_tolerance_model  keeping a job alive: the quorum's decision each step, the
+                 timeouts' order, a heal's bytes and time, the samples a resized data order
+                 skips or repeats, per-step fault tolerance's goodput
   hardware       the GPU node the book's extrapolations assume, with its sources
-  planner        the planner of five dimensions (labs/plan.py is its command line)
+  planner        the planner of five dimensions, a package of one file per concern
+                 (labs/plan.py is its command line)
   sizing         the sizing page's entry point: a form's fields in, the planner's answer out
   arguments      argparse types and the one-line error shared by every command line
 
