@@ -24,6 +24,12 @@ beside the prediction; the trained weights are the independent result:
                         of every unit's forward and backward (the gather/free sawtooth)
                         and the peak, with the timeline the schedule predicts
   state_bytes_per_rank  parameters, gradients and momentum one rank holds after the step
+  fsdp2_step            torch's FSDP2 once more, on rank 0 as rank 0 of a fake process
+                        group of N (its collectives move nothing, on the calling thread):
+                        in its second step, the collectives it issues in order, with their
+                        sizes, and the bytes the allocator holds after every allocation and
+                        free (torch.profiler's memory events: c10's CPU allocator, or the
+                        CUDA caching allocator), beside its layout's prediction
 
 Launch lines (from the repository root):
   one process:           python labs/fsdp.py
@@ -45,19 +51,28 @@ unit, point, param_bytes, grad_bytes}], peak_bytes, predicted_events, predicted_
 state_bytes_per_rank and predicted_state_bytes_per_rank {ddp, zero3: {params, grads,
 optimizer, total}}; param_count, padded_param_count, unit_param_counts, unit_padded_counts;
 profile (rank 0's trace of torch's FSDP2 with --profile, in the whole world, else null);
+fsdp2_step {process_group, world_size, allocator, allocated_bytes {start, forward_end, end,
+peak}, timeline [[ms, bytes]], collectives [{op, kind, numel [output, input], ms, event
+(its place in timeline)}], predicted_collectives [{phase, kind, unit, numel}], state_bytes
+(parameter shards and momentum, counted), activation_bytes (counted),
+predicted_activation_bytes, largest_unit_gathered_bytes, predicted_peak_bytes} (bytes
+above what the allocator held before the model was built; null on ranks but 0);
 with --checkpoint-dir, checkpoint: what `checkpoint.py save` reports (its step,
 checkpoint_bytes, full_export_bytes, param_count); `sub_worlds`, a result like this one
 (without the checkpoint, with its `world_size`) for each --sub-worlds size, largest first.
 """
 
 import copy
+import math
+import os
 from pathlib import Path
 
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from labkit.predict import comm_model, memory_model
+from labkit.predict import comm_model, memory_model, trace_reader
 from labkit.runtime import distenv, profiling
+from labkit.runtime.activations import count_activation_bytes
 from labkit.parallel.strategies import FSDP_FAMILY as SETUP
 from labkit.parallel.strategies import TorchDDP, apply_fsdp, rank_batch, train_step, world_mesh
 from labkit.model.transformer import Transformer, next_token_loss
@@ -249,6 +264,119 @@ class Timeline:
                                 "grad_bytes": live_bytes(grads)})
 
 
+def record_fsdp2_step(initial, args, env):
+    """torch's FSDP2 once more, on rank 0 alone, as rank 0 of a fake process group of this
+    world's size, for two steps; the second is recorded by torch.profiler: the collectives
+    FSDP2 issues (each c10d operator, with its tensors' shapes) in order, and the bytes
+    the allocator holds after every allocation and free, above what it held before the
+    model was built. Every rank of the world creates the group; its collectives move
+    nothing and return at once, on the calling thread. That is why it is measured here and
+    not on gloo: gloo frees some tensors on threads of its own, and the profiler hears of
+    an allocation or a free only on the threads it profiles (this one, and autograd's,
+    which inherit its state). On a GPU the events come from the CUDA caching allocator.
+    Returns the record on rank 0, None elsewhere."""
+    import torch.distributed as dist
+    # importing it registers the "fake" backend
+    from torch.testing._internal.distributed import fake_pg  # noqa: F401
+    ranks = (dist.get_process_group_ranks(env.group) if env.group is not None
+             else list(range(dist.get_world_size())))
+    group = dist.new_group(ranks, backend="fake", use_local_synchronization=True)
+    try:
+        return _record_fsdp2_step(initial, args, env, group) if env.is_rank0 else None
+    finally:
+        dist.destroy_process_group(group)
+
+
+def _record_fsdp2_step(initial, args, env, group):
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")   # no line as the profiler starts, stops
+    activities = [ProfilerActivity.CPU]
+    if env.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    mark = "fsdp.py: "
+
+    def point(name):   # a mark in the profiler's events, between two allocations
+        with record_function(mark + name):
+            pass
+
+    with profile(activities=activities, profile_memory=True, record_shapes=True) as prof:
+        model = apply_fsdp(copy.deepcopy(initial), env.device,
+                           mesh=world_mesh(env.device, group))
+        optimizer = SETUP.optimizer(model.parameters())
+        for step in range(2):   # the first allocates the momentum; the second is recorded
+            ids, targets = rank_batch(SETUP.shape, SETUP.batch, args.seed, step, env.rank,
+                                      env.device)
+            if step:
+                states = distenv.local_bytes([*model.parameters(),
+                                              *(t for state in optimizer.state.values()
+                                                for t in state.values() if torch.is_tensor(t))])
+                point("start")
+            loss = next_token_loss(model(ids), targets)
+            if step:
+                point("forward_end")
+            loss.backward()
+            del loss
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if step:
+                point("end")
+    device_type = DeviceType.CUDA if env.device.type == "cuda" else DeviceType.CPU
+    # the profiler's events in the order of its clock: allocations (+bytes) and frees
+    # (-bytes) on this device, the marks, and the c10d operators FSDP2 called
+    events = sorted(((e.start_ns(), e.name() != "[memory]", e)
+                     for e in prof.profiler.kineto_results.events()
+                     if (e.name() == "[memory]" and e.device_type() == device_type)
+                     or e.name().startswith((mark, "c10d::"))), key=lambda item: item[:2])
+    held, points, timeline, collectives, start_ns = 0, {}, [], [], None
+    for ns, _, event in events:
+        name = event.name()
+        if name == "[memory]":
+            held += event.nbytes()
+            if start_ns is not None:
+                timeline.append([round((ns - start_ns) / 1e6, 3), held])
+        elif name.startswith(mark):
+            points[name[len(mark):]] = held
+            if name == mark + "start":
+                start_ns = ns
+                timeline.append([0.0, held])
+            elif name == mark + "end":
+                break
+        elif start_ns is not None and trace_reader.collective_kind(name) != "other":
+            collectives.append({"op": name, "kind": trace_reader.collective_kind(name),
+                                "numel": [math.prod(shape) for shape in event.shapes()[:2]],
+                                "ms": round((ns - start_ns) / 1e6, 3),
+                                "event": len(timeline) - 1})   # the allocation before it
+    unit_shapes = [[tuple(p.shape) for p in unit.parameters()] for unit in initial.units()]
+    ids, targets = rank_batch(SETUP.shape, SETUP.batch, args.seed, 1, env.rank, env.device)
+    activations = sum(count_activation_bytes(
+        initial, lambda: next_token_loss(initial(ids), targets)).values())
+    shape = SETUP.shape
+    predicted_activations = memory_model.activation_bytes(
+        shape.layers, shape.seq, SETUP.batch, shape.hidden, shape.heads, shape.vocab,
+        BYTES, dropout=False)[1]
+    n = env.world_size
+    return {
+        "process_group": "fake", "world_size": n,
+        "allocator": ("the CUDA caching allocator" if env.device.type == "cuda"
+                      else "c10's CPU allocator") + ", through torch.profiler's memory events",
+        "allocated_bytes": {**points, "peak": max(b for _, b in timeline)},
+        "timeline": timeline,
+        "collectives": collectives,
+        "predicted_collectives": [
+            {"phase": phase, "kind": kind, "unit": unit, "numel": [out, inp]}
+            for phase, kind, unit, out, inp in memory_model.fsdp2_step_collectives(
+                unit_shapes, n)],
+        "state_bytes": states,   # parameter shards and momentum, counted at the start
+        "activation_bytes": activations,   # counted: what autograd saved, in the bare model
+        "predicted_activation_bytes": predicted_activations,
+        "largest_unit_gathered_bytes": BYTES * max(
+            memory_model.fsdp2_gathered_numel(shapes, n) for shapes in unit_shapes),
+        "predicted_peak_bytes": memory_model.fsdp2_step_peak_bytes(
+            unit_shapes, n, predicted_activations, optimizer_buffers=1, value_bytes=BYTES),
+    }
+
+
 def state_bytes(implementation):
     params, grads = implementation.tensors()
     optimizer = [t for state in implementation.optimizer.state.values()
@@ -311,7 +439,9 @@ def run(args, env):
         "unit_param_counts": unit_numels,
         "unit_padded_counts": unit_padded,
         "profile": None,
+        "fsdp2_step": None,
     }
+    result["fsdp2_step"] = record_fsdp2_step(initial, args, env)
     # torch's FSDP2: extra steps on the last batch, after the comparison; the launch's
     # whole world only, not its --sub-worlds
     if args.profile and n == torch.distributed.get_world_size():

@@ -9,7 +9,11 @@
              zero2  FSDP2 fully_shard(reshard_after_forward=False)
              zero3  FSDP2 fully_shard(reshard_after_forward=True)
            Parameters are counted after the forward pass (what it left gathered), gradients
-           after backward, optimizer state after the step.
+           after backward, optimizer state after the step. Beside the counts, the bytes
+           the allocator itself holds for the strategy at the same points, and at the
+           step's peak: on a GPU from the CUDA caching allocator, on a CPU from c10's
+           allocator through torch.profiler's memory events (in a simulated world or a
+           world of one: see allocator_source).
 
   Several strategies (a comma-separated list, or all) run one after another in the same
   processes, and --simulate-world-size takes a list: one process measures rank 0 of each
@@ -49,8 +53,14 @@ whole-tensor partition), step_counter_bytes (Adam's step counters, not in the fo
 peak_cuda_bytes (the peak of CUDA memory allocated above what was allocated before the
 strategy built its model, cuBLAS's workspaces included in neither) and predicted_peak_bytes
 (states + the larger of activations and Adam's step temporaries); both on a GPU, null on
-CPU}]; `cuda_workspace_bytes` (cuBLAS's workspaces, allocated by a warm-up before anything
-is measured; null on CPU); `activation_bytes` {measured_per_layer, predicted_per_layer,
+CPU}, held_after_step_bytes (held_bytes after the optimizer step, when FSDP2 has
+resharded every unit), allocated_bytes {after_forward, after_backward, after_step,
+accumulating_forward, step_peak} (the allocator's bytes above what it held before the
+strategy built its model, in the last step; accumulating_forward after one more forward
+pass that kept the step's gradients, as gradient accumulation does; null where not
+measured) and buffer_bytes (the model's buffers)}]; `allocator` (where allocated_bytes
+come from, or why not); `cuda_workspace_bytes` (cuBLAS's workspaces, allocated by a
+warm-up before anything is measured; null on CPU); `activation_bytes` {measured_per_layer, predicted_per_layer,
 measured, predicted}; `param_count`, `shape`, `optimizer`, `precision`. With several
 simulated worlds the top-level world_size is 1 (one process) and `simulated_world_sizes`
 lists them.
@@ -59,6 +69,7 @@ lists them.
 import dataclasses
 import gc
 import json
+import os
 
 import torch
 
@@ -110,19 +121,38 @@ def skip_allreduce(state, bucket):
     return future
 
 
-def train_and_count(wrapped, optimizer, shape, args, env):
-    """Train `args.steps` steps; count what rank 0 holds in the last one."""
+def train_and_count(wrapped, optimizer, shape, args, env, probe, one_more_forward):
+    """Train `args.steps` steps; count what rank 0 holds in the last one, and mark its
+    points and its peak on the allocator `probe`. With `one_more_forward` (on every rank:
+    a forward may communicate), one more forward pass, keeping the step's gradients, as the
+    second micro-batch of gradient accumulation does: at its end every state the formulas
+    count is alive at once, beside the activations."""
     counted = {}
     for step in range(args.steps):
+        last = step == args.steps - 1
+        if last:
+            probe.begin_peak()
         optimizer.zero_grad(set_to_none=True)
         ids, targets = rank_batch(shape, args.batch, args.seed, step, env.rank, env.device)
         loss = next_token_loss(wrapped(ids), targets)
+        if last:
+            probe.mark("after_forward")
         counted["params"] = distenv.local_bytes(wrapped.parameters())
         held_params = held_param_bytes(wrapped)
         loss.backward()
+        if last:
+            probe.mark("after_backward")
         counted["grads"] = distenv.local_bytes(p.grad for p in wrapped.parameters()
                                                if p.grad is not None)
         optimizer.step()
+        if last:
+            probe.mark("after_step")
+            probe.end_peak()
+    held_params_after_step = held_param_bytes(wrapped)   # FSDP2 has resharded every unit
+    if one_more_forward:
+        loss = next_token_loss(wrapped(ids), targets)   # its backward never runs: the run ends
+        probe.mark("accumulating_forward")
+        del loss
     # ZeroRedundancyOptimizer keeps this rank's partition in an inner optimizer, `.optim`
     local_optimizer = getattr(optimizer, "optim", optimizer)
     state = [t for per_param in local_optimizer.state.values() for t in per_param.values()
@@ -132,7 +162,95 @@ def train_and_count(wrapped, optimizer, shape, args, env):
     step_counters = distenv.local_bytes(t for t in state if t.dim() == 0)
     held = {**counted, "params": held_params}
     held["total"] = held["params"] + held["grads"] + held["optimizer"]
-    return counted, held, step_counters
+    after_step = {**counted, "params": held_params_after_step}
+    after_step["total"] = after_step["params"] + after_step["grads"] + after_step["optimizer"]
+    return counted, held, after_step, step_counters
+
+
+class AllocatorProbe:
+    """Bytes the allocator holds for one strategy, above what it held when the probe was
+    opened (before the strategy built its model): at named points, and the most between
+    begin_peak() and end_peak(). Not counted from tensors: the allocator's own figures.
+
+    On a GPU, the CUDA caching allocator's counters (memory_allocated; max_memory_allocated
+    after reset_peak_memory_stats), its blocks rounded up to 512 bytes. On a CPU c10's
+    allocator keeps no counter, but with profile_memory=True torch.profiler receives every
+    allocation and free it makes, with its size (c10/core/CPUAllocator.cpp,
+    ProfiledCPUMemoryReporter): the probe keeps a profiler open on this thread, marks each
+    point with a record_function, and afterwards adds up the sizes in the order they came.
+    The reporter knows the size only of what was allocated while profiling (a block from
+    before, freed meanwhile, goes uncounted), which is why the probe opens before the model
+    exists. Closed (`enabled` False: not rank 0, or not measured here, allocator_source),
+    it measures nothing and its figures are None.
+    """
+
+    MARK = "memory.py: "
+
+    def __init__(self, device, enabled=True):
+        self.device, self.enabled = device, enabled
+        self.cuda = device.type == "cuda"
+        self.marks, self.peak, self.run_peak = {}, None, None
+
+    def __enter__(self):
+        if not self.enabled:
+            return self
+        if self.cuda:
+            self.baseline = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return self
+        from torch.profiler import ProfilerActivity, profile
+        # Kineto prints a line as each profiler starts and stops; here it is an instrument
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+        self.profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self.profiler.__enter__()
+        return self
+
+    def mark(self, name):
+        if not self.enabled:
+            return
+        if self.cuda:
+            self.marks[name] = torch.cuda.memory_allocated(self.device) - self.baseline
+        else:
+            with torch.profiler.record_function(self.MARK + name):
+                pass
+
+    def begin_peak(self):
+        if self.enabled and self.cuda:   # the peak so far is kept for run_peak
+            self.run_peak = torch.cuda.max_memory_allocated(self.device) - self.baseline
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.mark("begin_peak")
+
+    def end_peak(self):
+        if self.enabled and self.cuda:
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self.baseline
+            self.run_peak = max(self.run_peak, self.peak)
+        self.mark("end_peak")
+
+    def __exit__(self, *failure):
+        if not self.enabled or self.cuda:
+            return
+        self.profiler.__exit__(*failure)
+        if failure[0] is not None:
+            return
+        # every allocation (+bytes) and free (-bytes) of c10's CPU allocator on this
+        # thread, and the marks, in the order of the profiler's clock
+        events = sorted(((e.start_ns(), e.name() != "[memory]", e)
+                         for e in self.profiler.profiler.kineto_results.events()
+                         if e.name() == "[memory]" or e.name().startswith(self.MARK)),
+                        key=lambda item: item[:2])
+        held, in_window = 0, False
+        for _, is_mark, event in events:
+            if not is_mark:
+                held += event.nbytes()
+                if in_window:
+                    self.peak = max(self.peak, held)
+                continue
+            name = event.name()[len(self.MARK):]
+            self.marks[name] = held
+            if name == "begin_peak":
+                in_window, self.peak = True, held
+            elif name == "end_peak":
+                in_window = False
 
 
 def held_param_bytes(model):
@@ -183,7 +301,7 @@ def layout_bytes(model, strategy, world_size, rank, optimizer_name):
 def measure(args):
     """Every strategy at this world size, or at each simulated one; rank 0 writes them all."""
     worlds = args.simulate_world_size or [None]
-    measurements, shared = [], None
+    measurements, shared, sources = [], None, []
     for index, simulated in enumerate(worlds):
         with distenv.initialize(args, simulate_world_size=simulated) as env:
             if shared is None:
@@ -196,6 +314,7 @@ def measure(args):
                 env.print0(f"activations per layer: measured "
                            f"{activations['measured_per_layer']:,} bytes, formula "
                            f"{activations['predicted_per_layer']:,}")
+            sources.append(allocator_source(args, env))
             for strategy in args.strategy:
                 # Each strategy measured in a function of its own, so its wrapped model and
                 # optimizer are gone before the next one, and before the group is destroyed.
@@ -210,7 +329,10 @@ def measure(args):
                 if len(worlds) > 1:   # one process stood for several worlds
                     env = dataclasses.replace(env, world_size=1)
                     extra = {"simulated_world_sizes": worlds}
-                env.write_result(args, {**shared, **extra, "measurements": measurements})
+                # where the allocator's bytes come from, or why no world has them
+                read = [source for measured, source in sources if measured]
+                env.write_result(args, {**shared, **extra, "measurements": measurements,
+                                        "allocator": (read or [sources[-1][1]])[0]})
 
 
 def model_facts(args, env):
@@ -265,25 +387,25 @@ def measure_strategy(strategy, args, env):
     """Build, wrap and train the model under one strategy; what rank 0 holds, measured and
     predicted."""
     shape = shape_of(args)
-    if env.device.type == "cuda":
-        # The peak is taken above what is allocated now (cuBLAS's workspaces, see
-        # warm_up_cublas), so that it holds what this strategy allocates, and nothing else.
-        baseline = torch.cuda.memory_allocated(env.device)
-        torch.cuda.reset_peak_memory_stats(env.device)
-    torch.manual_seed(args.seed)   # the same initial weights for every strategy
-    # Built on its device, not moved there: a GPU holds no CPU copy first, and under
-    # LABS_DEVICE_GUARD a model built without a device would be meta, with nothing to copy.
-    with torch.device(env.device):
-        model = Transformer(shape)
-    param_count = sum(p.numel() for p in model.parameters())
-    layout = layout_bytes(model, strategy, env.world_size, env.rank, args.optimizer)
-    wrapped, optimizer = wrap(model, strategy, env, args.optimizer)
-    measured, held, step_counters = train_and_count(wrapped, optimizer, shape, args, env)
+    # The allocator's figures are taken above what it holds now (on a GPU, cuBLAS's
+    # workspaces, see warm_up_cublas), so that they hold what this strategy allocates.
+    measured_here = allocator_source(args, env)[0]
+    with AllocatorProbe(env.device, env.is_rank0 and measured_here) as probe:
+        torch.manual_seed(args.seed)   # the same initial weights for every strategy
+        # Built on its device, not moved there: a GPU holds no CPU copy first, and under
+        # LABS_DEVICE_GUARD a model built without a device would be meta, with nothing to copy.
+        with torch.device(env.device):
+            model = Transformer(shape)
+        param_count = sum(p.numel() for p in model.parameters())
+        buffer_bytes = distenv.local_bytes(model.buffers())
+        layout = layout_bytes(model, strategy, env.world_size, env.rank, args.optimizer)
+        wrapped, optimizer = wrap(model, strategy, env, args.optimizer)
+        measured, held, held_after_step, step_counters = train_and_count(
+            wrapped, optimizer, shape, args, env, probe, one_more_forward=measured_here)
     predicted = memory_model.state_bytes_per_gpu(param_count, env.world_size, strategy,
                                                  args.optimizer, PRECISION)
-    peak = predicted_peak = None
+    predicted_peak = None
     if env.device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(env.device) - baseline
         activations = memory_model.activation_bytes(
             shape.layers, shape.seq, args.batch, shape.hidden, shape.heads, shape.vocab,
             4, dropout=False)[1]
@@ -293,11 +415,32 @@ def measure_strategy(strategy, args, env):
         temporaries = memory_model.optimizer_step_temporary_bytes(
             predicted["optimizer"] / state_bytes if state_bytes else 0, args.optimizer)
         predicted_peak = predicted["total"] + max(activations, temporaries)
+    allocated = None
+    if probe.marks:
+        allocated = {point: probe.marks[point] for point in (
+            "after_forward", "after_backward", "after_step", "accumulating_forward")}
+        allocated["step_peak"] = probe.peak
     return {"world_size": env.world_size, "simulated": env.simulated, "strategy": strategy,
             "measured_bytes": measured, "held_bytes": held,
+            "held_after_step_bytes": held_after_step,
             "predicted_bytes": predicted, "layout_bytes": layout,
             "step_counter_bytes": step_counters,
-            "peak_cuda_bytes": peak, "predicted_peak_bytes": predicted_peak}
+            "peak_cuda_bytes": probe.run_peak, "predicted_peak_bytes": predicted_peak,
+            "allocated_bytes": allocated, "buffer_bytes": buffer_bytes}
+
+
+def allocator_source(args, env):
+    """(whether the allocator's bytes are measured here, where they come from or why not)."""
+    if env.device.type == "cuda":
+        return True, "the CUDA caching allocator (torch.cuda.memory_allocated)"
+    if args.allocator_max_world is not None and env.world_size > args.allocator_max_world:
+        return False, f"not measured above --allocator-max-world {args.allocator_max_world}"
+    if env.simulated or env.world_size == 1:
+        return True, "c10's CPU allocator, through torch.profiler's memory events"
+    # gloo runs a collective on threads of its own, and a tensor a collective held can be
+    # freed there; the profiler hears of a CPU free only on the thread it profiles
+    return False, ("not measured: gloo frees some tensors on its own threads, which the "
+                   "profiler does not see; --simulate-world-size measures them")
 
 
 def report(row, env):
@@ -309,6 +452,11 @@ def report(row, env):
     env.print0(f"{'bytes':>10} {'measured':>12} {'formula':>12} {'layout':>12}")
     for key in ("params", "grads", "optimizer", "total"):
         env.print0(f"{key:>10} {measured[key]:>12,} {predicted[key]:>12,.0f} {layout[key]:>12,}")
+    allocated = row["allocated_bytes"]
+    if allocated is not None:
+        env.print0(f"allocator: {allocated['after_step']:,} B after the step, "
+                   f"{allocated['step_peak']:,} B at its peak, "
+                   f"{allocated['accumulating_forward']:,} B after one more forward")
     if row["peak_cuda_bytes"] is not None:
         env.print0(f"peak CUDA memory above the baseline {row['peak_cuda_bytes']:,} bytes; "
                    f"predicted {row['predicted_peak_bytes']:,.0f} (states + the larger of "
@@ -401,6 +549,11 @@ def parse_args(argv=None):
     meas.add_argument("--batch", type=distenv.positive_int, default=BATCH,
                       help="sequences per rank per step")
     meas.add_argument("--steps", type=distenv.positive_int, default=STEPS, help="training steps")
+    meas.add_argument("--allocator-max-world", type=distenv.at_least(0), default=None,
+                      metavar="N", help="on a CPU, read the allocator's bytes "
+                      "(allocated_bytes) only in worlds of at most N ranks (0: none; default: "
+                      "every world): it needs torch.profiler through each strategy, whose "
+                      "cost grows with N as FSDP2 cuts every tensor N ways")
     meas.add_argument("--simulate-world-size", type=distenv.int_list(1), default=None,
                       metavar="N[,N...]",
                       help="be rank 0 of a world of N in this one process (fake process "

@@ -1,11 +1,14 @@
 """The FSDP lab: scratch ZeRO-3 and FSDP2 against DDP, the collectives they issue against
-2 psi and 3 psi, and the memory timeline and state against the schedule. The chapter runs
-N = 4 and asserts the same (fsdp.md, hidden cells); here N = 3, 2 and 1 in one launch
-(--sub-worlds), by hand."""
+2 psi and 3 psi, and the memory timeline and state against the schedule; FSDP2's own step
+(its collectives in order and the allocator's bytes, on rank 0 of a fake group) against
+its layout. The chapter runs N = 4 and asserts the same (fsdp.md, hidden cells); here
+N = 3, 2 and 1 in one launch (--sub-worlds), by hand."""
 
 import pytest
 
 import fsdp
+from labkit.model.transformer import Transformer
+from labkit.parallel.strategies import FSDP_FAMILY
 from conftest import assert_fails_with_one_line, assert_refused
 from labkit.parallel import sharded_checkpoint
 from labkit.predict import memory_model
@@ -132,3 +135,45 @@ def test_real_ranks_match_ddp_and_the_predictions_by_hand(n, launch):
     assert all(start > end for start, end in zip(params[0::2], params[1::2]))
     assert result["state_bytes_per_rank"] == result["predicted_state_bytes_per_rank"]
     assert result["state_bytes_per_rank"]["zero3"]["total"] == 12 * padded // n
+
+
+UNIT_SHAPES = [[tuple(p.shape) for p in unit.parameters()]
+               for unit in Transformer(FSDP_FAMILY.shape).units()]
+
+
+@pytest.mark.parametrize("n", [3, 2, 1])
+def test_fsdp2_s_own_step_against_its_layout(n, launch):
+    """FSDP2 recorded on rank 0 of a fake group of N: one all-gather of each unit before
+    its forward and again in backward, one reduce-scatter of each, in order and of the
+    sizes its row-padded layout gives (none at N = 1); the allocator holds at least the
+    counted shards throughout, the activations on top at the end of the forward, and a
+    gathered unit at its peak."""
+    result = launch if n == 3 else launch["sub_worlds"][[2, 1].index(n)]
+    record = result["fsdp2_step"]
+    assert record["process_group"] == "fake" and record["world_size"] == n
+    measured, predicted = record["collectives"], record["predicted_collectives"]
+    assert predicted == [
+        {"phase": phase, "kind": kind, "unit": unit, "numel": [out, into]}
+        for phase, kind, unit, out, into in memory_model.fsdp2_step_collectives(UNIT_SHAPES, n)]
+    assert len(measured) == len(predicted) == (0 if n == 1 else 3 * len(UNIT_SHAPES))
+    for kind in ("all_gather", "reduce_scatter"):
+        assert ([c["numel"] for c in measured if c["kind"] == kind]
+                == [c["numel"] for c in predicted if c["kind"] == kind])
+    units, gathers, reduces = len(UNIT_SHAPES), 0, 0
+    for collective in measured:
+        if collective["kind"] == "all_gather":
+            gathers += 1
+        else:   # after every unit's forward gather, and after its own backward gather
+            reduces += 1
+            assert gathers >= units + reduces
+    shards = sum(memory_model.fsdp2_shard_numel(shape, n, 0)
+                 for shapes in UNIT_SHAPES for shape in shapes)
+    assert record["state_bytes"] == 2 * 4 * shards   # parameters and momentum, counted
+    allocated, timeline = record["allocated_bytes"], record["timeline"]
+    assert min(held for _, held in timeline) >= record["state_bytes"]
+    assert allocated["start"] == allocated["end"]   # gradients set to None again
+    assert allocated["forward_end"] >= record["state_bytes"] + record["activation_bytes"]
+    assert allocated["peak"] == max(held for _, held in timeline) >= max(
+        allocated["forward_end"], record["state_bytes"] + record["largest_unit_gathered_bytes"])
+    assert record["predicted_peak_bytes"] == memory_model.fsdp2_step_peak_bytes(
+        UNIT_SHAPES, n, record["predicted_activation_bytes"])

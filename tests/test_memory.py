@@ -1,9 +1,10 @@
 """The memory lab: predict against the ZeRO paper, measure against predict in torch's own
-DDP, ZeroRedundancyOptimizer and FSDP2. The chapter measures every strategy on real ranks
-at N = 1 and 4 and on simulated ones at N = 2, 3, 4, 8, 64 and 1024 (one process runs
-these and the world of one), and asserts each; here real ranks at N = 3 (odd), a
-simulated N = 16 alone, a world of one and a simulated N = 3 under the device guard, the
-calculator, and bad input."""
+DDP, ZeroRedundancyOptimizer and FSDP2, and the allocator's own bytes against the count.
+The chapter measures every strategy on real ranks at N = 1 and 4 and on simulated ones at
+N = 2, 3, 4, 8, 64 and 1024 (one process runs these and the world of one, reading the
+allocator up to N = 8), and asserts each; here real ranks at N = 3 (odd, where gloo's
+threads keep the allocator unread), a simulated N = 16 alone, a world of one and a
+simulated N = 3 under the device guard, the calculator, and bad input."""
 
 import json
 
@@ -55,6 +56,7 @@ def test_predict_from_a_shape_adds_activations(capsys):
 
 
 FIRST_DIMS = [p.shape[0] for p in Transformer(memory.SHAPE).parameters()]
+SHAPES = [tuple(p.shape) for p in Transformer(memory.SHAPE).parameters()]
 
 
 def check_measurement(row, strategy, world_size):
@@ -73,6 +75,26 @@ def check_measurement(row, strategy, world_size):
     assert row["step_counter_bytes"] % 4 == 0 and row["step_counter_bytes"] > 0
 
 
+def check_allocator(row, activations):
+    """The allocator's own bytes (c10's CPU allocator, through torch.profiler) beside the
+    counts: at least what the counted tensors hold at each point, and, one forward after
+    the step with its gradients kept, within 1 % of it (the chapter asserts the same)."""
+    allocated = row["allocated_bytes"]
+    around = row["buffer_bytes"] + row["step_counter_bytes"]   # the model's masks, Adam's
+    after_step = allocated["after_step"] - row["held_after_step_bytes"]["total"] - around
+    accumulating = (allocated["accumulating_forward"] - row["held_bytes"]["total"]
+                    - activations - around)
+    assert 0 <= after_step and 0 <= accumulating <= allocated["accumulating_forward"] / 100
+    # every state the formula counts, and the activations, are held at once
+    assert allocated["accumulating_forward"] >= row["predicted_bytes"]["total"] + activations
+    assert allocated["step_peak"] >= max(allocated[point] for point in (
+        "after_forward", "after_backward", "after_step"))
+    # FSDP2 has resharded every unit after the step: ZeRO-2 holds its shards alone, as ZeRO-3
+    if row["strategy"] in ("zero2", "zero3"):
+        shards = memory_model.fsdp2_held_param_numel(SHAPES, row["world_size"], gathered=False)
+        assert row["held_after_step_bytes"]["params"] == 4 * shards
+
+
 @pytest.mark.parametrize("world_size", [3])   # the chapter runs 1 and 4 (and 2 simulated)
 def test_real_ranks_hold_what_the_layout_predicts(world_size):
     result = run_lab("memory", world_size, ["measure", "--strategy", "all"], echo=False)
@@ -80,6 +102,9 @@ def test_real_ranks_hold_what_the_layout_predicts(world_size):
     assert [row["strategy"] for row in result["measurements"]] == list(memory_model.STRATEGIES)
     for row in result["measurements"]:
         check_measurement(row, row["strategy"], world_size)
+    # gloo frees tensors on its own threads, which torch.profiler does not hear of
+    assert result["allocator"].startswith("not measured: gloo")
+    assert all(row["allocated_bytes"] is None for row in result["measurements"])
 
 
 def test_a_simulated_world_of_16_in_one_process():
@@ -91,8 +116,10 @@ def test_a_simulated_world_of_16_in_one_process():
     assert result["simulated"] is True and result["backend"] == "fake"
     assert result["world_size"] == 16 and "simulated_world_sizes" not in result
     assert [row["strategy"] for row in result["measurements"]] == list(memory_model.STRATEGIES)
+    assert result["allocator"] == "c10's CPU allocator, through torch.profiler's memory events"
     for row in result["measurements"]:
         check_measurement(row, row["strategy"], 16)
+        check_allocator(row, result["activation_bytes"]["measured"])
         assert row["simulated"] is True
     shape = result["shape"]
     assert result["param_count"] == memory_model.transformer_params(
@@ -105,14 +132,20 @@ def test_the_lab_runs_under_the_device_guard():
     A real world of one (gloo) and a simulated one (the fake group, whose collectives would
     pass a meta tensor silently) both run, and count what the unguarded lab counts."""
     result = run_lab("memory", None, ["measure", "--strategy", "all",
-                                      "--simulate-world-size", "1,3"],
+                                      "--simulate-world-size", "1,3",
+                                      "--allocator-max-world", 1],
                      env={distenv.DEVICE_GUARD: "1"}, echo=False)
     assert result["device_guard"] is True and result["simulated_world_sizes"] == [1, 3]
     rows = result["measurements"]
     assert [(row["world_size"], row["strategy"]) for row in rows] == [
         (n, s) for n in (1, 3) for s in memory_model.STRATEGIES]
+    assert result["allocator"] == "c10's CPU allocator, through torch.profiler's memory events"
     for row in rows:
         check_measurement(row, row["strategy"], row["world_size"])
+        if row["world_size"] == 1:   # a real world of one: every free on the lab's thread
+            check_allocator(row, result["activation_bytes"]["measured"])
+        else:                        # above --allocator-max-world
+            assert row["allocated_bytes"] is None
     # the activations, counted here without the guard: the same bytes
     model = Transformer(memory.SHAPE)
     ids, targets = random_batch(memory.SHAPE, memory.BATCH,
@@ -136,6 +169,8 @@ def test_the_lab_runs_under_the_device_guard():
     (["measure", "--strategy", "ddp", "--simulate-world-size", 0],
      "--simulate-world-size must be at least 1"),
     (["measure", "--strategy", "ddp", "--steps", 0], "--steps must be at least 1"),
+    (["measure", "--strategy", "ddp", "--allocator-max-world", -1],
+     "--allocator-max-world must be at least 0"),
 ])
 def test_bad_input_is_refused_in_one_line(args, words):
     assert_refused(memory.parse_args, args, words)
@@ -160,7 +195,8 @@ def test_simulating_under_torchrun_is_refused(monkeypatch):
 @pytest.mark.parametrize("command, options", [
     ("predict", ("--params", "--gpus", "--optimizer", "--precision", "--json", "--layers",
                  "--vocab")),
-    ("measure", ("--strategy", "--simulate-world-size", "--out", "--backend", "--timeout")),
+    ("measure", ("--strategy", "--simulate-world-size", "--allocator-max-world", "--out",
+                 "--backend", "--timeout")),
 ])
 def test_help_lists_every_option(capsys, command, options):
     with pytest.raises(SystemExit) as done:

@@ -321,6 +321,47 @@ def fsdp2_held_param_numel(shapes, world_size, gathered):
     return shard + (fsdp2_gathered_numel(shapes, world_size) if gathered else 0)
 
 
+def fsdp2_step_collectives(unit_shapes, world_size, reshard_after_forward=True):
+    """[(phase, op, unit, output elements, input elements)] of the collectives FSDP2 issues
+    in one training step, one unit's parameter shapes per entry of `unit_shapes` (units
+    in forward order; a root unit that holds no parameters issues none): before each
+    unit's forward an all-gather of its padded shards (fsdp2_gathered_numel in, that over N
+    from each rank); in backward, units in reverse, the same all-gather again unless the
+    unit stayed gathered (reshard_after_forward=False), and a reduce-scatter of its padded
+    gradients. Backward prefetching issues unit i-1's all-gather before unit i's
+    reduce-scatter: the order within each op is fixed, not how the two ops interleave. A
+    group of one issues none: each parameter is its own shard, and torch 2.13's FSDP2
+    skips both collectives there (_fsdp_param_group.py, unshard; _fsdp_collectives.py,
+    foreach_reduce)."""
+    n = world_size
+    if n == 1:
+        return []
+    gathered = [fsdp2_gathered_numel(shapes, n) for shapes in unit_shapes]
+    units = range(len(unit_shapes))
+    forward = [("forward", "all_gather", i, gathered[i], gathered[i] // n) for i in units]
+    backward = []
+    for i in reversed(units):
+        if reshard_after_forward:
+            backward.append(("backward", "all_gather", i, gathered[i], gathered[i] // n))
+        backward.append(("backward", "reduce_scatter", i, gathered[i] // n, gathered[i]))
+    return forward + backward
+
+
+def fsdp2_step_peak_bytes(unit_shapes, world_size, activation_bytes, optimizer_buffers=1,
+                          value_bytes=4):
+    """Rank 0's peak over one FSDP2 step, by the sawtooth model (step_timeline's zero3) on
+    FSDP2's layout: its shards of the parameters, their gradients and `optimizer_buffers`
+    optimizer states (fsdp2_shard_numel, rank 0's padded chunks), plus the largest unit
+    gathered with its full gradient, plus the activations of one micro-batch. FSDP2
+    differs in what the model leaves out: gradients set to None between steps exist only
+    after their unit's reduce-scatter; backward prefetching gathers a second unit; the
+    reduce-scatter reads a padded copy of the unit's gradients."""
+    shard = sum(fsdp2_shard_numel(shape, world_size, 0)
+                for shapes in unit_shapes for shape in shapes)
+    largest = max(fsdp2_gathered_numel(shapes, world_size) for shapes in unit_shapes)
+    return value_bytes * ((2 + optimizer_buffers) * shard + 2 * largest) + activation_bytes
+
+
 def zero1_partition(numels, world_size):
     """Which rank owns each tensor under torch's ZeroRedundancyOptimizer.
 
