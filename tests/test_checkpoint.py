@@ -1,6 +1,6 @@
 """Sharded checkpoints: training resumes at another world size exactly where an
 uninterrupted run would be, and the full export loads into a plain model. The chapter saves
-at N = 3 and resumes in one process; here one process saves and three ranks resume, and the
+at N = 4 and resumes in one process; here one process saves and three ranks resume, and the
 failures."""
 
 import pytest

@@ -22,10 +22,7 @@ COLLAPSED = {"hide-input", "hide-cell"}            # on the page, behind "show c
 CELL = re.compile(r"^```\{code-cell\}[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
 # Pages whose visible cells still use names that only a removed cell defines (each listed
 # with them). strict: once a page is put right, its entry here fails until it is removed.
-PENDING = {
-    "fsdp": "LABS, run_lab, prediction, GB, memory_model",
-    "memory": "GB, LARGEST, PSI, memory_model, table, run_lab, Transformer",
-}
+PENDING = {}
 
 
 def code_cells(text):
