@@ -28,8 +28,9 @@
   }
 
   const GB = 1e9;
-  const fmt = (x, digits = 1) => x.toLocaleString("en-US", {
-    minimumFractionDigits: digits, maximumFractionDigits: digits });
+  // a value that rounds to zero prints as 0, never "-0.00" (a sum's rounding can leave -1e-17)
+  const fmt = (x, digits = 1) => (Math.abs(x) < 0.5 * 10 ** -digits ? 0 : x).toLocaleString(
+    "en-US", { minimumFractionDigits: digits, maximumFractionDigits: digits });
   const ZERO = { ddp: "DDP", zero1: "ZeRO-1", zero2: "ZeRO-2", zero3: "ZeRO-3" };
 
   function cell(row, text, header) {
