@@ -46,6 +46,8 @@ def test_the_crossover_is_where_saved_bytes_pay_for_the_added_compute():
     # 1 MB saved a step at 10 ms more compute: below 100 MB/s the compressed method wins
     assert model.crossover_bandwidth(2e6, 0.05, 1e6, 0.06) == pytest.approx(1e8)
     assert model.crossover_bandwidth(1e6, 0.05, 2e6, 0.05) is None
+    # two extra messages at 5 ms latency double the time the saved bytes must pay back
+    assert model.crossover_bandwidth(2e6, 0.05, 1e6, 0.06, 1, 3, 0.005) == pytest.approx(5e7)
 
 
 def test_the_bf16_bound_counts_every_rounding():

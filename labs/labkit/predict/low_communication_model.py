@@ -168,11 +168,16 @@ def time_within_spread(predicted_s, step_range_s, compute_s, compute_range_s,
     return floor or predicted_s + (slow_down[1] - 1) * compute_s >= fastest - margin
 
 
-def crossover_bandwidth(bytes_a, seconds_a, bytes_b, seconds_b):
-    """The link bandwidth (bytes/s) below which method b, sending bytes_b per step and
-    computing seconds_b more, beats method a: where s_a + B_a/beta = s_b + B_b/beta.
-    None where b never wins (it sends no fewer bytes) or always does (it costs no more)."""
-    saved_bytes, extra_s = bytes_a - bytes_b, seconds_b - seconds_a
+def crossover_bandwidth(bytes_a, seconds_a, bytes_b, seconds_b,
+                        messages_a=0, messages_b=0, alpha_s=0.0):
+    """The link bandwidth (bytes/s) below which method b, sending bytes_b per step in
+    messages_b all-reduces and computing seconds_b more, beats method a: where
+    s_a + n_a alpha + B_a/beta = s_b + n_b alpha + B_b/beta, so
+    beta* = (B_a - B_b) / ((s_b - s_a) + (n_b - n_a) alpha). Each extra message costs a
+    latency the saved bytes must pay back too. None where b never wins (it sends no fewer
+    bytes) or always does (it costs no more)."""
+    saved_bytes = bytes_a - bytes_b
+    extra_s = (seconds_b - seconds_a) + (messages_b - messages_a) * alpha_s
     if saved_bytes <= 0:
         return None
     if extra_s <= 0:
