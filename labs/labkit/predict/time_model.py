@@ -743,7 +743,9 @@ def published_bubble_fraction(schedule, stages, microbatches, forward_s, input_g
                               weight_grad_s, chunks=2, overlapped_s=None):
     """published_bubble_s as a fraction of the step: idle / (idle + busy), each rank busy
     m (F + B + W) per piece it holds (one for 1f1b, `chunks` for zb1p, two for zbv and
-    dualpipev)."""
+    dualpipev). With chunks > 1 the times are a piece's, a form Qi et al. did not publish
+    (their ZB-H1 count is for one piece per rank, stage times): compare it with interleaved
+    1F1B at the same chunks (pipeline_bubble_fraction), not with plain 1F1B."""
     pieces = 1 if schedule == "1f1b" else len(zero_bubble_pieces(schedule, stages, 0, chunks))
     idle = published_bubble_s(schedule, stages, forward_s, input_grad_s, weight_grad_s,
                               overlapped_s)
