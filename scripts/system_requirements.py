@@ -8,6 +8,8 @@ and what it left out, with why, to stderr.
   torchao  only beside the torch it was built for (torchao 0.18: torch 2.13); its C++
            extensions fail against another torch with errors other than ImportError. Without
            it the precision lab's FP8 all-gather records "not run" and the rest runs.
+  torchft  only beside torch >= 2.7 (torchft 0.2.0's own requirement): pip would otherwise
+           install a second torch into the environment, over the box's CUDA build.
 
 DeepSpeed 0.19.8 and Accelerate 1.15 ask for torch >= 2.0 and are installed as pinned.
 
@@ -20,6 +22,8 @@ import sys
 
 # torchao's releases each pair with one torch release (torchao's README, "Installation")
 TORCHAO_TORCH = {"0.18": "2.13"}
+# torchft 0.2.0's metadata: Requires-Dist: torch>=2.7
+TORCHFT_MIN_TORCH = (2, 7)
 
 
 def pins(path):
@@ -42,6 +46,11 @@ def left_out(name, line, torch_version):
         if wanted and not torch_version.startswith(wanted + "."):
             return (f"torchao {release} is built for torch {wanted}, this box has "
                     f"{torch_version}: the FP8 all-gather variant will say 'not run'")
+    if name == "torchft":
+        major_minor = tuple(int(part) for part in re.findall(r"\d+", torch_version)[:2])
+        if major_minor < TORCHFT_MIN_TORCH:
+            return (f"torchft needs torch >= {'.'.join(map(str, TORCHFT_MIN_TORCH))}, this box "
+                    f"has {torch_version}: its variants will say 'not run'")
     return None
 
 

@@ -17,6 +17,13 @@ def test_the_boxs_torch_is_kept_and_torchao_installed_only_beside_its_own_torch(
     assert system.left_out("accelerate", "accelerate==1.15.0", "2.6.0") is None
 
 
+def test_torchft_only_beside_the_torch_it_asks_for():
+    why = system.left_out("torchft", "torchft==0.2.0", "2.6.0+cu124")
+    assert "torch >= 2.7" in why and "not run" in why
+    assert system.left_out("torchft", "torchft==0.2.0", "2.7.1+cu126") is None
+    assert system.left_out("torchft", "torchft==0.2.0", "2.13.0+cpu") is None
+
+
 def test_it_prints_the_pins_it_keeps_and_says_what_it_leaves_out(tmp_path):
     requirements = tmp_path / "requirements.txt"
     requirements.write_text("# a comment\ntorch==2.13.0\nnumpy==2.4.6\npytest==9.2.0\n")
