@@ -195,6 +195,9 @@ class AllocatorProbe:
         if not self.enabled:
             return self
         if self.cuda:
+            # the previous strategy's kernels done, so the blocks their streams held (a
+            # collective's buffers, recorded on NCCL's stream) are back before the baseline
+            torch.cuda.synchronize(self.device)
             self.baseline = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             return self
@@ -227,6 +230,10 @@ class AllocatorProbe:
         self.mark("end_peak")
 
     def __exit__(self, *failure):
+        if self.enabled and self.cuda and self.run_peak is not None:
+            # the accumulating forward runs after end_peak: the run's peak includes it
+            self.run_peak = max(self.run_peak,
+                                torch.cuda.max_memory_allocated(self.device) - self.baseline)
         if not self.enabled or self.cuda:
             return
         self.profiler.__exit__(*failure)
