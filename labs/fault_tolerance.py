@@ -85,9 +85,14 @@ import torch   # noqa: E402
 import torch._dynamo   # noqa: E402,F401  (imported once here, not by each forked group)
 import torch.distributed as dist   # noqa: E402
 from torch.utils._pytree import tree_leaves   # noqa: E402
-from torchft import DistributedSampler, Manager, ProcessGroupGloo, ProcessGroupNCCL   # noqa: E402
-from torchft._torchft import LighthouseServer   # noqa: E402
-from torchft.checkpointing.pg_transport import PGTransport   # noqa: E402
+try:   # torchft 0.2.0 needs torch >= 2.7: on an older box the lab says so, in one line
+    from torchft import DistributedSampler, Manager, ProcessGroupGloo, ProcessGroupNCCL   # noqa: E402
+    from torchft._torchft import LighthouseServer   # noqa: E402
+    from torchft.checkpointing.pg_transport import PGTransport   # noqa: E402
+except ImportError as missing:
+    raise SystemExit(f"fault_tolerance: error: torchft does not import ({missing}); it needs "
+                     f"torch >= 2.7, and this is torch {torch.__version__}: "
+                     "pip install torchft==0.2.0 beside torch >= 2.7") from None
 
 from labkit.model.transformer import (Shape, Transformer, add_shape_args,   # noqa: E402
                                       next_token_loss, shape_from_args)

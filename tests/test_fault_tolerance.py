@@ -6,7 +6,10 @@ go on) under checkpoint-restart too, a lighthouse that does not answer, fewer gr
 a quorum needs, the refusals, and the cost model's rules by hand."""
 
 import math
+import os
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -112,6 +115,18 @@ def test_fewer_groups_than_a_quorum_needs_wait_say_so_and_time_out(script):
                   "--state-mb", 0, "--no-checkpoint-restart")
     assert "waiting for a quorum of --min-replicas 3 groups" in done.stdout
     assert_fails_with_one_line(done, "no quorum of --min-replicas 3 within --quorum-timeout 1 s")
+
+
+def test_without_torchft_the_lab_says_so_in_one_line(tmp_path):
+    """On torch < 2.7 torchft does not import: a stand-in package that fails as it would.
+    A fresh Python, not the forked launcher, whose parent has imported the real torchft."""
+    (tmp_path / "torchft").mkdir()
+    (tmp_path / "torchft" / "__init__.py").write_text(
+        "raise ImportError('torchft 0.2.0 needs torch >= 2.7')\n")
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    done = subprocess.run([sys.executable, str(fault_tolerance.__file__), "--state-mb", "0"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert_fails_with_one_line(done, "torchft does not import (torchft 0.2.0 needs torch >= 2.7)")
 
 
 @pytest.mark.parametrize("argv, words", [
