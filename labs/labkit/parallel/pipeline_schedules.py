@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..predict.memory_model import stage_layers
 from ..predict.time_model import schedule_order   # written once, where the model reads it too
-from ..runtime.timing import wait_for_work
+from ..runtime.timing import NCCL_GIVE_UP_FRACTION, wait_for_work
 
 
 def split_pieces(model, pieces):
@@ -146,7 +146,9 @@ def _wait_for(handle, what, source, stage, timeout_s, device):
     try:
         wait_for_work(handle, device, timeout_s)
     except RuntimeError as error:   # gloo and NCCL raise when the wait times out
-        raise TimeoutError(f"stage {stage} waited {timeout_s:g} s for {what} from rank "
+        # on CUDA the wait gives up before NCCL's watchdog would (wait_for_work)
+        waited = timeout_s * (NCCL_GIVE_UP_FRACTION if torch.device(device).type == "cuda" else 1)
+        raise TimeoutError(f"stage {stage} waited {waited:g} s for {what} from rank "
                            f"{source} and gave up: the schedule is deadlocked") from error
 
 

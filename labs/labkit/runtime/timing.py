@@ -65,6 +65,10 @@ def compute_times(model, optimizer, loss_fn, inputs, targets, device, repeats, w
     return {name: statistics.median(times) for name, times in phases.items()}
 
 
+# what a wait on a CUDA work may take of the group's timeout before it gives up itself
+NCCL_GIVE_UP_FRACTION = 0.8
+
+
 def wait_for_work(work, device, timeout_s=0.0):
     """Return when `work` (a send or receive) is done, within `timeout_s` (0: no limit),
     with the CPU blocked until then on every backend: the one way the lab waits for a
@@ -83,13 +87,16 @@ def wait_for_work(work, device, timeout_s=0.0):
     if timeout_s:
         limit = datetime.timedelta(seconds=timeout_s)
     if torch.device(device).type == "cuda":
-        deadline = time.perf_counter() + (timeout_s or math.inf)
+        # NCCL's watchdog thread times every work out at the group's own timeout (the
+        # lab's --timeout too) and then tears the process down (TORCH_NCCL_ASYNC_ERROR_
+        # HANDLING's default): giving up at the same moment would race it, and the lab's
+        # one line could be lost in the abort. The thread gives up first, at 0.8 of it,
+        # and never calls a wait that would abort the communicator itself.
+        give_up_s = NCCL_GIVE_UP_FRACTION * timeout_s if timeout_s else math.inf
+        deadline = time.perf_counter() + give_up_s
         while not work.is_completed():
             if time.perf_counter() > deadline:
-                # past its timeout, torch's own wait aborts the communicator and raises;
-                # an older torch returns instead (it polls only under TORCH_NCCL_BLOCKING_WAIT)
-                work.wait(timeout=limit)
-                raise RuntimeError(f"not done within {timeout_s:g} s")
+                raise RuntimeError(f"not done within {give_up_s:g} s")
     if timeout_s:
         work.wait(timeout=limit)
     else:
