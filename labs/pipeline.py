@@ -105,9 +105,9 @@ SCHEDULES = ("gpipe", "1f1b", "torch_gpipe", "torch_1f1b", "torch_interleaved",
              "torch_zb1p", "torch_zbv", "torch_dualpipev")
 PITFALLS = ("no_loss_scale", "recv_before_send")
 # the zero-bubble schedules: the lab's name, time_model's, and torch's class
-ZERO_BUBBLE = {"torch_zb1p": ("zb1p", "ScheduleInterleavedZeroBubble"),
-               "torch_zbv": ("zbv", "ScheduleZBVZeroBubble"),
-               "torch_dualpipev": ("dualpipev", "ScheduleDualPipeV")}
+# torch's zero-bubble schedules, each by the name time_model prices it under (the class
+# each runs: labkit.parallel.strategies.TORCH_SCHEDULES)
+ZERO_BUBBLE = {"torch_zb1p": "zb1p", "torch_zbv": "zbv", "torch_dualpipev": "dualpipev"}
 # one rank holds several pieces of the model: none of these runs on one stage
 MULTI_PIECE = ("torch_interleaved", *ZERO_BUBBLE)
 # the controlled length of each op, in forwards: a whole backward two, its halves one each
@@ -137,7 +137,7 @@ def chunks_of(name, args):
 def pieces_of(name, rank, p, v):
     """Model pieces rank `rank` of p holds: r, r + p, ... (interleaved), or r and 2p-1-r (V)."""
     if name in ZERO_BUBBLE:
-        return time_model.zero_bubble_pieces(ZERO_BUBBLE[name][0], p, rank, v)
+        return time_model.zero_bubble_pieces(ZERO_BUBBLE[name], p, rank, v)
     return [chunk * p + rank for chunk in range(v)]
 
 
@@ -183,28 +183,6 @@ def split_backward_stage(clock, timeout_s):
     return SplitBackwardStage
 
 
-def zero_bubble_schedule(name, pieces, indices, num_pieces, m, device, input_example,
-                         output_example, stage_class):
-    """torch's zero-bubble schedule `name` over this rank's pieces, as apply_pp builds the
-    others (each micro-batch's loss divided by m, torch's own division off), or
-    VariantNotRun where this torch lacks the class."""
-    import inspect
-
-    from torch.distributed.pipelining import schedules
-    class_name = ZERO_BUBBLE[name][1]
-    schedule_class = getattr(schedules, class_name, None)
-    if schedule_class is None:
-        raise distenv.VariantNotRun(f"torch {torch.__version__} has no {class_name}")
-    stages = [stage_class(piece, index, num_pieces, device, input_args=input_example(index),
-                          output_args=output_example(index))
-              for piece, index in zip(pieces, indices)]
-    options = {}
-    if "scale_grads" in inspect.signature(schedule_class.__init__).parameters:
-        options["scale_grads"] = False
-    return schedule_class(stages, m, loss_fn=lambda output, target: next_token_loss(
-        output, target) / m, **options)
-
-
 class Pipeline:
     """This rank's pieces of one schedule, and how to run one step of it."""
 
@@ -231,15 +209,12 @@ class Pipeline:
                 input_example=lambda k: ids if k == 0 else activation(*self.activation_shape),
                 output_example=lambda k: activation(micro, shape.seq, shape.vocab) if k == last
                 else activation(*self.activation_shape))
-            if name in ZERO_BUBBLE:
-                self.torch_schedule = zero_bubble_schedule(
-                    name, self.pieces, self.indices, p * v, m, env.device,
-                    stage_class=split_backward_stage(self.clock, timeout_s), **examples)
-            else:
-                self.torch_schedule = apply_pp(
-                    self.pieces, self.indices, p * v, name.removeprefix("torch_"), m,
-                    next_token_loss, env.device,
-                    stage_class=timed_torch_stage(self.clock, timeout_s), **examples)
+            # the zero-bubble schedules' stages time the input and weight halves of B apart
+            stage_class = (split_backward_stage if name in ZERO_BUBBLE else timed_torch_stage)(
+                self.clock, timeout_s)
+            self.torch_schedule = apply_pp(
+                self.pieces, self.indices, p * v, name.removeprefix("torch_"), m,
+                next_token_loss, env.device, stage_class=stage_class, **examples)
         self.scratch_options = dict(scale_loss=name != "no_loss_scale",
                                     recv_before_send=name == "recv_before_send")
         self.optimizer = torch.optim.SGD([q for piece in self.pieces for q in piece.parameters()],
@@ -314,7 +289,7 @@ def run_one(name, shape, m, args, env, expected, handoffs, profile=False):
     p, v = env.world_size, chunks_of(name, args)
     step_time = max(r["elapsed"] for r in ranks)
     busy = sum(e["end_s"] - e["start_s"] for r in ranks for e in r["events"])
-    kind = (ZERO_BUBBLE[name][0] if name in ZERO_BUBBLE else "interleaved" if v > 1
+    kind = (ZERO_BUBBLE[name] if name in ZERO_BUBBLE else "interleaved" if v > 1
             else "1f1b" if "1f1b" in name else "gpipe")
     # The prediction with the handoff: the ops as they ran on each rank (their order, and
     # each one's time from its input in hand to its end), what each rank spent between

@@ -168,7 +168,7 @@ def test_the_bubble_under_controlled_time_follows_the_prediction_with_the_handof
         for name, r in entry["schedules"].items():
             if name in pipeline.ZERO_BUBBLE:   # the walk of its order, equal F, I and W
                 assert r["predicted_bubble_fraction"] == \
-                    time_model.zero_bubble_bubble_fraction(pipeline.ZERO_BUBBLE[name][0], p,
+                    time_model.zero_bubble_bubble_fraction(pipeline.ZERO_BUBBLE[name], p,
                                                            m, 1, 1, 1)
             elif name != "torch_interleaved":   # its own formula, checked in the chapter
                 assert r["predicted_bubble_fraction"] == (p - 1) / (m + p - 1)
@@ -282,7 +282,8 @@ def torch_zero_bubble_orders(schedule, p, m, v=2):
     directly: no stages, no process group."""
     from torch.distributed.pipelining import schedules
     from torch.distributed.pipelining.schedules import _ComputationType as Op
-    name = dict(pipeline.ZERO_BUBBLE.values())[schedule]
+    from labkit.parallel.strategies import TORCH_SCHEDULES
+    name = TORCH_SCHEDULES[schedule]
     if not hasattr(schedules, name):
         pytest.skip(f"torch {torch.__version__} has no {name}")
     plan = object.__new__(getattr(schedules, name))

@@ -137,7 +137,12 @@ def apply_tp(model, mesh, sequence_parallel=False):
 
 
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
-                   "interleaved": "ScheduleInterleaved1F1B"}
+                   "interleaved": "ScheduleInterleaved1F1B",
+                   # Qi et al.'s zero bubble (torch 2.6+) and DeepSeek's DualPipeV (2.8+)
+                   "zb1p": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+                   "dualpipev": "ScheduleDualPipeV"}
+# the schedules that take one rank's pieces as a list (several per rank), the others one stage
+MULTI_STAGE_SCHEDULES = ("interleaved", "zb1p", "zbv", "dualpipev")
 
 
 def apply_pp(pieces, piece_indices, num_pieces, schedule, microbatches, loss_fn, device,
@@ -150,21 +155,26 @@ def apply_pp(pieces, piece_indices, num_pieces, schedule, microbatches, loss_fn,
     `input_example(k)` and `output_example(k)` give tensors shaped like piece k's input and
     output for one micro-batch: with them torch skips its shape-inference pass.
     `stage_class` replaces PipelineStage (a subclass that times each op, say).
+    A schedule this torch lacks raises distenv.VariantNotRun, saying so.
     Call the result's step(ids) on the first stage, step(target=...) on the last."""
     import inspect
 
-    from torch.distributed import pipelining
-    stage_class = stage_class or pipelining.PipelineStage
+    from torch.distributed.pipelining import PipelineStage, schedules
+
+    from ..runtime.distenv import VariantNotRun
+    schedule_class = getattr(schedules, TORCH_SCHEDULES[schedule], None)
+    if schedule_class is None:
+        raise VariantNotRun(f"torch {torch.__version__} has no {TORCH_SCHEDULES[schedule]}")
+    stage_class = stage_class or PipelineStage
     stages = [stage_class(piece, index, num_pieces, device, input_args=input_example(index),
                           output_args=output_example(index), group=group)
               for piece, index in zip(pieces, piece_indices)]
-    schedule_class = getattr(pipelining, TORCH_SCHEDULES[schedule])
     options = {}
     if "scale_grads" in inspect.signature(schedule_class.__init__).parameters:
         options["scale_grads"] = False
     scaled_loss = lambda output, target: loss_fn(output, target) / microbatches  # noqa: E731
-    return schedule_class(stages if schedule == "interleaved" else stages[0], microbatches,
-                          loss_fn=scaled_loss, **options)
+    return schedule_class(stages if schedule in MULTI_STAGE_SCHEDULES else stages[0],
+                          microbatches, loss_fn=scaled_loss, **options)
 
 
 def allreduce_gradients(params, group=None, average=False):
