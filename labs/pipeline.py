@@ -141,23 +141,6 @@ def pieces_of(name, rank, p, v):
     return [chunk * p + rank for chunk in range(v)]
 
 
-class SplitBackwardClock(OpClock):
-    """OpClock for schedules that split the backward: under --compute-ms an I (the input's
-    gradient) and a W (the weights') each last one forward's time, so that the two halves
-    make a whole backward's two, the equal F, B and W of Qi et al.'s counts."""
-
-    @contextlib.contextmanager
-    def op(self, kind, microbatch, piece=0, wait=None):
-        whole = self.compute_s
-        if kind in ("I", "W") and whole is not None:
-            self.compute_s = whole / 2   # OpClock pads every op but a forward to twice this
-        try:
-            with super().op(kind, microbatch, piece, wait):
-                yield
-        finally:
-            self.compute_s = whole
-
-
 def split_backward_stage(clock, timeout_s):
     """timed_torch_stage's stage, with the halves of a split backward timed apart: I
     (backward_one_chunk with full_backward=False, which the timed stage would call B) and
@@ -194,7 +177,7 @@ class Pipeline:
         self.last_piece = p * v - 1
         torch.manual_seed(args.seed)   # the reference's initial weights, made as it makes them
         all_pieces = split_pieces(Transformer(shape, device=env.device), p * v)
-        self.clock = SplitBackwardClock(
+        self.clock = OpClock(
             None if args.compute_ms is None else args.compute_ms / 1e3 / v, device=env.device)
         self.pieces = [all_pieces[k] for k in self.indices]
         micro = args.batch // m

@@ -51,16 +51,22 @@ def split_pieces(model, pieces):
 
 class OpClock:
     """Records each forward and backward a rank runs, as events (op, micro-batch, piece,
-    start, end, wait), op "F" or "B"; `wait` (start, end) is when the rank waited for the
-    op's input, where the caller says so (run_schedule does; torch's stages do not). `compute_s`, if given, pads each forward to last exactly
-    that long and each backward twice as long (the real work, then a sleep): a
-    controlled-time experiment, in which the schedule alone sets the timeline.
+    start, end, wait), op "F" or "B" (or a split backward's "I" and "W"); `wait` (start,
+    end) is when the rank waited for the op's input, where the caller says so (run_schedule
+    does; torch's stages do not). `compute_s`, if given, pads each op to last exactly
+    OP_LENGTHS[op] times that long (the real work, then a sleep): a controlled-time
+    experiment, in which the schedule alone sets the timeline.
     `over_budget` counts the ops whose real work took longer than that.
 
     An op's work runs outside any dispatch mode (the lab's collective counter): a pipeline
     op holds no communication, and a mode's Python call on every tensor op would slow the
     very work being timed. hide_modes=False keeps them, for ops that do communicate (a
     tensor-parallel stage's all-reduces)."""
+
+    # an op's length under controlled time, in forwards: a backward twice a forward's
+    # (two products per weight); its halves, the input's gradient I and the weights' W, one
+    # each, the equal F, I and W of Qi et al.'s counts
+    OP_LENGTHS = {"F": 1, "B": 2, "I": 1, "W": 1}
 
     def __init__(self, compute_s=None, hide_modes=True, device=None):
         self.compute_s, self.hide_modes = compute_s, hide_modes
@@ -92,7 +98,7 @@ class OpClock:
             yield
         self.synchronize()
         if self.compute_s is not None:
-            left = start + self.compute_s * (1 if kind == "F" else 2) - time.perf_counter()
+            left = start + self.compute_s * self.OP_LENGTHS[kind] - time.perf_counter()
             if left > 0:
                 time.sleep(left)
             else:
