@@ -313,10 +313,8 @@ def run_one(name, shape, m, args, env, expected, handoffs, profile=False):
         # the step of the schedule's own order at equal F, I and W (only their ratio counts)
         predicted = time_model.zero_bubble_bubble_fraction(kind, p, m, 1, 1, 1, v)
         held = memory_model.zero_bubble_peak_microbatches(kind, p, m, v)
-        # a V's two arms are two pipelines of p stages, each carrying all m micro-batches
-        # (nothing crosses at the tip, where both pieces are rank p-1's)
-        sent = (comm_model.pipeline_p2p_bytes_per_rank(p, m, numel, v) if kind == "zb1p"
-                else comm_model.pipeline_p2p_bytes_per_rank(p, 2 * m, numel))
+        sent = comm_model.pipeline_p2p_bytes_per_rank(
+            p, m, numel, v, layout="interleaved" if kind == "zb1p" else "v")
     else:
         predicted = time_model.pipeline_bubble_fraction(p, m, v)
         held = memory_model.pipeline_peak_microbatches(kind, p, m, v)

@@ -212,6 +212,18 @@ def test_pipeline_p2p_bytes_by_hand():
         3 * 32000, 4 * 32000, 4 * 32000, 3 * 32000]
 
 
+
+def test_a_v_sends_nothing_across_its_tip():
+    """ZB-V's layout on 4 ranks: rank r holds pieces r and 7 - r. Rank 0: piece 0 sends
+    forward, piece 7 back; rank 3 holds the tip (3 and 4), each of whose other sends
+    crosses (3 back to rank 2, 4 forward to rank 2); ranks 1 and 2 send all four ways."""
+    assert [comm_model.pipeline_piece_owner(g, 4, "v") for g in range(8)] == [
+        0, 1, 2, 3, 3, 2, 1, 0]
+    assert comm_model.pipeline_p2p_bytes_per_rank(4, 8, 1000, 2, layout="v") == [
+        2 * 32000, 4 * 32000, 4 * 32000, 2 * 32000]
+    with pytest.raises(ValueError, match="two pieces per rank"):
+        comm_model.pipeline_p2p_bytes_per_rank(4, 8, 1000, 3, layout="v")
+
 def test_layer_boundaries_crossed():
     assert comm_model.layer_boundaries_crossed(24, 4, "contiguous") == 3
     assert comm_model.layer_boundaries_crossed(24, 4, "round_robin") == 23

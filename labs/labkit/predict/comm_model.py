@@ -365,18 +365,36 @@ def parse_size(text):
     return int(number) * units[unit]
 
 
+def pipeline_piece_owner(piece, stages, layout="interleaved"):
+    """The rank that holds model piece `piece` of a pipeline over `stages` ranks: piece g on
+    rank g mod p when the pieces are dealt in turn ("interleaved", Narayanan et al.'s
+    chunks, one piece each when there are p), or down and back up a V of 2p pieces ("v":
+    ZB-V's and DualPipeV's, rank r holding pieces r and 2p-1-r)."""
+    p = stages
+    if layout == "interleaved":
+        return piece % p
+    if layout == "v":
+        return piece if piece < p else 2 * p - 1 - piece
+    raise ValueError(f"unknown layout {layout!r}")
+
+
 def pipeline_p2p_bytes_per_rank(stages, microbatches, activation_numel, chunks=1,
-                                value_bytes=4):
-    """[bytes each pipeline rank sends in one step]: each chunk sends its output forward to
-    the next chunk and its input's gradient back to the previous one, `activation_numel`
-    values (b/m x s x h per micro-batch) each way per micro-batch. With v chunks per rank,
-    chunk c of rank r is model piece g = c p + r of p v; every piece but the last sends
-    forward, every piece but the first sends back."""
+                                value_bytes=4, layout="interleaved"):
+    """[bytes each pipeline rank sends in one step]: each piece sends its output forward to
+    the next piece and its input's gradient back to the previous one, `activation_numel`
+    values (b/m x s x h per micro-batch) each way per micro-batch, unless that piece is on
+    the same rank (the tip of a V: nothing crosses there). p v pieces, placed by `layout`
+    (pipeline_piece_owner; "v" takes two chunks); every piece but the last sends forward,
+    every piece but the first sends back."""
     p, v = stages, chunks
+    if layout == "v" and v != 2:
+        raise ValueError(f"a V holds two pieces per rank, not {v}")
+    owner = [pipeline_piece_owner(g, p, layout) for g in range(p * v)]
     per_rank = []
     for rank in range(p):
-        pieces = [c * p + rank for c in range(v)]
-        sends = sum(g < p * v - 1 for g in pieces) + sum(g > 0 for g in pieces)
+        pieces = [g for g in range(p * v) if owner[g] == rank]
+        sends = (sum(g < p * v - 1 and owner[g + 1] != rank for g in pieces)
+                 + sum(g > 0 and owner[g - 1] != rank for g in pieces))
         per_rank.append(sends * microbatches * activation_numel * value_bytes)
     return per_rank
 
