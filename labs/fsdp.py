@@ -72,6 +72,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from labkit.predict import comm_model, memory_model, trace_reader
 from labkit.runtime import distenv, profiling
+from labkit.runtime.profiling import allocator_walk
 from labkit.runtime.activations import count_activation_bytes
 from labkit.parallel.strategies import FSDP_FAMILY as SETUP
 from labkit.parallel.strategies import TorchDDP, apply_fsdp, rank_batch, train_step, world_mesh
@@ -322,17 +323,13 @@ def _record_fsdp2_step(initial, args, env, group):
             if step:
                 point("end")
     device_type = DeviceType.CUDA if env.device.type == "cuda" else DeviceType.CPU
-    # the profiler's events in the order of its clock: allocations (+bytes) and frees
-    # (-bytes) on this device, the marks, and the c10d operators FSDP2 called
-    events = sorted(((e.start_ns(), e.name() != "[memory]", e)
-                     for e in prof.profiler.kineto_results.events()
-                     if (e.name() == "[memory]" and e.device_type() == device_type)
-                     or e.name().startswith((mark, "c10d::"))), key=lambda item: item[:2])
-    held, points, timeline, collectives, start_ns = 0, {}, [], [], None
-    for ns, _, event in events:
+    # the allocations and frees on this device, the marks, and the c10d operators FSDP2
+    # called, in the order of the profiler's clock
+    points, timeline, collectives, start_ns = {}, [], [], None
+    for ns, event, held in allocator_walk(prof, mark, device_type,
+                                          also=lambda name: name.startswith("c10d::")):
         name = event.name()
         if name == "[memory]":
-            held += event.nbytes()
             if start_ns is not None:
                 timeline.append([round((ns - start_ns) / 1e6, 3), held])
         elif name.startswith(mark):

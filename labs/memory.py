@@ -76,6 +76,7 @@ import torch
 from labkit.runtime import distenv
 from labkit.predict import memory_model
 from labkit.runtime.activations import count_activation_bytes
+from labkit.runtime.profiling import allocator_walk
 from labkit.parallel.strategies import apply_ddp, apply_fsdp, rank_batch
 from labkit.model.transformer import Shape, Transformer, next_token_loss, random_batch
 
@@ -239,16 +240,10 @@ class AllocatorProbe:
         self.profiler.__exit__(*failure)
         if failure[0] is not None:
             return
-        # every allocation (+bytes) and free (-bytes) of c10's CPU allocator on this
-        # thread, and the marks, in the order of the profiler's clock
-        events = sorted(((e.start_ns(), e.name() != "[memory]", e)
-                         for e in self.profiler.profiler.kineto_results.events()
-                         if e.name() == "[memory]" or e.name().startswith(self.MARK)),
-                        key=lambda item: item[:2])
-        held, in_window = 0, False
-        for _, is_mark, event in events:
-            if not is_mark:
-                held += event.nbytes()
+        # every allocation and free of c10's CPU allocator on this thread, and the marks
+        in_window = False
+        for _, event, held in allocator_walk(self.profiler, self.MARK):
+            if event.name() == "[memory]":
                 if in_window:
                     self.peak = max(self.peak, held)
                 continue
