@@ -40,15 +40,18 @@ Launch lines (from the repository root):
 
 JSON: `methods` {name: {bytes_sent_per_rank_per_step (its all-reduces'),
 predicted_bytes_sent_per_rank_per_step, other_bytes_sent_per_rank (DDP's one broadcast of
-its bucket order), peak_bytes_per_step, predicted_extra_compute_s (PowerSGD's products),
+its bucket order), peak_bytes_per_step (the most one step all-reduced),
+predicted_peak_bytes_per_step, predicted_extra_compute_s (PowerSGD's products),
 loss_curve, final_loss, step_time_s {plain, slowed}, step_time_spread_s {plain, slowed:
 [fastest, slowest] timed step}, predicted_step_time_s {plain, slowed},
 forward_time_spread_s {plain, slowed: [fastest, slowest] forward pass of the timed steps},
 max_param_diff_vs_ddp; bf16 also grad_error_vs_ddp {relative_rms, max_abs,
 max_over_bound}, predicted_grad_error_bound {relative_rms, coefficient, floor},
-torch_hook_max_grad_diff (a number, or {not_run}); local_sgd, diloco and streaming_diloco
-also torchft {steps, max_param_diff_after_first_sync, max_param_diff_vs_scratch,
-bytes_sent_per_rank_per_step, scratch_bytes_sent_per_rank_per_step} or {not_run}} or
+summation {algorithm, rms_model_applies}, torch_hook_max_grad_diff (a number, or
+{not_run}); local_sgd, diloco and streaming_diloco also outer_state_bytes {anchor,
+outer_momentum}, predicted_outer_state_bytes, and torchft {steps,
+max_param_diff_after_first_sync, max_param_diff_vs_scratch, bytes_sent_per_rank_per_step,
+scratch_bytes_sent_per_rank_per_step, outer_state_bytes, anchor_device} or {not_run}} or
 {not_run}}; `link` {alpha_s, beta_bytes_per_s, slowed_beta_bytes_per_s};
 `compute_step_s`, `compute_step_spread_s`, `compute_forward_s`; `checks`
 {diloco_h1_max_param_diff_vs_ddp, powersgd_no_error_feedback_final_loss}; `h_sweep`
@@ -62,6 +65,7 @@ import copy
 import dataclasses
 import inspect
 import math
+import os
 import statistics
 import time
 
@@ -191,6 +195,24 @@ class LocalSteps:
 
     def parameters(self):
         return list(self.module.parameters())
+
+    def outer_state_bytes(self):
+        """{anchor, outer_momentum}: bytes of the tensors this rank keeps to sync less often,
+        read from the tensors themselves (the outer optimizers' after their first step)."""
+        if self.outer is None:
+            return {"anchor": 0, "outer_momentum": 0}
+        return {"anchor": tensor_bytes(a for anchor in self.anchors for a in anchor),
+                "outer_momentum": optimizer_state_bytes(self.outers)}
+
+
+def tensor_bytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def optimizer_state_bytes(optimizers):
+    """Bytes of every tensor the optimizers keep per parameter (SGD's momentum buffer)."""
+    return tensor_bytes(value for optimizer in optimizers for state in optimizer.state.values()
+                        for value in state.values() if torch.is_tensor(value))
 
 
 def _split(flat, like):
@@ -326,6 +348,19 @@ class TorchftMethod:
     def forward(self, ids, targets):
         return next_token_loss(self.module(ids), targets)
 
+    def outer_state(self):
+        """What torchft keeps between syncs: {outer_state_bytes: {anchor, outer_momentum},
+        anchor_device}. DiLoCo keeps each fragment's parameters of the last sync as a
+        backup (on the CPU unless told otherwise) and an outer optimizer per fragment;
+        LocalSGD neither."""
+        fragments = getattr(self.wrapper, "_fragments", [])
+        anchors = [t for f in fragments for t in f.original_parameters.values()]
+        return {"outer_state_bytes": {
+                    "anchor": tensor_bytes(anchors),
+                    "outer_momentum": optimizer_state_bytes(f._outer_optimizer
+                                                            for f in fragments)},
+                "anchor_device": str(anchors[0].device) if anchors else None}
+
     def update(self, step, loss):
         loss.backward()
         self.inner.step()   # torchft's hooks sync here when it is time
@@ -349,7 +384,7 @@ def torchft_check(name, initial, args, env, scratch, scratch_sent, steps):
     trainer = TorchftMethod(name, initial, args)
     sent = train(trainer, args, env, 0.0, steps, keep_at=first_sync(name, args))[2]
     trainer.wrapper.__exit__(None, None, None)
-    return {"steps": steps,
+    return {"steps": steps, **trainer.outer_state(),
             "max_param_diff_after_first_sync": distenv.max_param_diff(
                 trainer.kept, scratch.kept, env.device),
             "max_param_diff_vs_scratch": distenv.max_param_diff(
@@ -378,11 +413,14 @@ def train(trainer, args, env, ns_per_byte, steps=None, keep_at=None):
     """(losses, seconds of each step, bytes this rank sent by op, seconds of each step's
     forward pass) over `steps` steps (default --steps). No method communicates in its
     forward, so its time says how fast the machine ran during these steps. keep_at=k: a
-    copy of the parameters after k steps, untimed, in trainer.kept."""
+    copy of the parameters after k steps, untimed, in trainer.kept; the bytes each step
+    all-reduced, in trainer.all_reduce_bytes_by_step."""
     counter = SentByOp(env.world_size)
     losses, times, forwards = [], [], []
+    trainer.all_reduce_bytes_by_step = []
     with SlowLink(counter, ns_per_byte):
         for step in range(steps or args.steps):
+            before = counter.by_op.get("all_reduce", 0)
             ids, targets = pattern_batch(args, step, env.rank, env.device)
             dist.barrier()   # every rank starts the step together: times are the step's own
             start = time.perf_counter()
@@ -394,6 +432,7 @@ def train(trainer, args, env, ns_per_byte, steps=None, keep_at=None):
             if env.device.type == "cuda":
                 torch.cuda.synchronize(env.device)
             times.append(time.perf_counter() - start)
+            trainer.all_reduce_bytes_by_step.append(counter.by_op.get("all_reduce", 0) - before)
             losses.append(loss.detach())
             if step + 1 == keep_at:
                 trainer.kept = [p.detach().clone() for p in trainer.parameters()]
@@ -479,10 +518,15 @@ def run_method(name, initial, args, env, links, compute, reference):
         "other_bytes_sent_per_rank": {op: float(b) for op, b in sent.items()
                                       if op != "all_reduce"},
         "predicted_bytes_sent_per_rank_per_step": float(predicted / args.steps),
-        "peak_bytes_per_step": float(model.peak_bytes_per_sync(name, shapes, env.world_size,
-                                                               **options)),
+        # the most one step all-reduced, counted, against the model's most in any step
+        "peak_bytes_per_step": float(max(trainers["plain"][0].all_reduce_bytes_by_step)),
+        "predicted_peak_bytes_per_step": float(model.peak_bytes_per_sync(
+            name, shapes, env.world_size, **options)),
         "loss_curve": losses, "final_loss": losses[-1]})
     if name in ("local_sgd", "diloco", "streaming_diloco"):
+        result["outer_state_bytes"] = trainers["plain"][0].outer_state_bytes()
+        result["predicted_outer_state_bytes"] = model.outer_state_bytes(
+            name, sum(p.numel() for p in initial.parameters()))
         # against the slowed link's run: as many steps, from the same start, on the same
         # batches (two periods of H, so the outer momentum is used once)
         result["torchft"] = distenv.try_variant(env, f"torchft's {name}", lambda: torchft_check(
@@ -509,11 +553,25 @@ def averaged_gradient(initial, env, ids, targets, hook=None, state=None):
     return torch.cat([p.grad.reshape(-1) for p in trainer.parameters()])
 
 
+def summation_order(env):
+    """{algorithm, rms_model_applies}: the order in which the backend's all-reduce adds the
+    ranks' values. gloo's is a ring (gloo/allreduce.cc, its default algorithm). NCCL picks
+    a ring, a tree or NVLink SHARP (NVLS, the switch adds) by size and topology, and tells
+    torch nothing of it: the lab can name only what NCCL_ALGO forces, else "unknown".
+    The RMS model (sum_relative_error) is the ring's sum, term after term; it also holds
+    for two ranks, one addition in any order. The worst case holds for any order: a term
+    passes through at most N - 1 additions in a ring, a tree or a switch."""
+    algorithm = "ring" if env.backend == "gloo" else os.environ.get("NCCL_ALGO", "unknown")
+    return {"algorithm": algorithm,
+            "rms_model_applies": algorithm.lower() == "ring" or env.world_size == 2}
+
+
 def bf16_gradient_check(initial, args, env):
     """The first step's averaged gradient under the bf16 hook against DDP's fp32 one: the
     RMS of their difference relative to DDP's, the largest difference, and the largest
     over its bound (low_communication_model.bf16_average_error_bound, from each value's
-    sum over the ranks of |g_r|); on NCCL, torch's bf16_compress_hook against this one."""
+    sum over the ranks of |g_r|), and the summation order the RMS model assumes
+    (summation_order); on NCCL, torch's bf16_compress_hook against this one."""
     ids, targets = pattern_batch(args, 0, env.rank, env.device)
     exact = averaged_gradient(initial, env, ids, targets)
     bf16 = averaged_gradient(initial, env, ids, targets, bf16_hook, dist.group.WORLD)
@@ -533,6 +591,7 @@ def bf16_gradient_check(initial, args, env):
             "predicted_grad_error_bound": {
                 "relative_rms": model.bf16_average_relative_rms(env.world_size),
                 "coefficient": coefficient, "floor": floor},
+            "summation": summation_order(env),
             "torch_hook_max_grad_diff": torch_hook}
 
 

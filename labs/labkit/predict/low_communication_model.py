@@ -21,7 +21,8 @@ less often, and what a step then costs on a link of a given speed.
 All bytes are those of the ring algorithm (comm_model.bytes_sent_per_rank): 2(N-1)/N of what
 is all-reduced. bf16's error (bf16_average_relative_rms, bf16_average_error_bound) is the
 precision chapter's model of a bf16 sum (precision_model.sum_relative_error), with the casts
-before it. Torch-free: the labs, the chapter and the tests call the same functions.
+before it. outer_state_bytes: what DiLoCo keeps on every rank to sync less often. Torch-free:
+the labs, the chapter and the tests call the same functions.
 """
 
 import math
@@ -117,6 +118,21 @@ def peak_bytes_per_sync(method, shapes, world_size, **options):
     return max(sum(comm_model.bytes_sent_per_rank("all_reduce", Fraction(v * b), world_size)
                    for v, b in values_all_reduced(method, step, shapes, **options))
                for step in range(steps))
+
+
+def outer_state_bytes(method, param_count, value_bytes=4):
+    """{anchor, outer_momentum}: bytes of state a rank keeps beyond DDP's (its parameters,
+    gradients and inner optimizer state) to synchronise less often. DiLoCo keeps the
+    parameters of the last sync (the anchor its pseudo-gradient starts from) and its outer
+    Nesterov momentum, each a full copy of the parameters in fp32; Streaming DiLoCo keeps
+    both for every fragment, so the same in all. Local SGD averages the parameters in place
+    and keeps neither. DDP and the compressed all-reduces keep no outer state (PowerSGD's
+    error feedback and its last Q are the hook's, not counted here)."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}: one of {', '.join(METHODS)}")
+    copies = 1 if method in ("diloco", "streaming_diloco") else 0
+    return {"anchor": copies * value_bytes * param_count,
+            "outer_momentum": copies * value_bytes * param_count}
 
 
 def powersgd_flops(shapes, rank, min_compression_rate=POWERSGD_MIN_COMPRESSION_RATE):
