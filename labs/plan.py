@@ -205,6 +205,14 @@ def parse_args(argv=None):
     choose.add_argument("--dispatch-bytes", type=int, choices=(1, 2), default=2,
                         help="bytes a value of the tokens sent to their experts (1: FP8, as "
                              "DeepSeek-V3 dispatches; the combine stays 16-bit)")
+    choose.add_argument("--rate", choices=planner.RATES, default="flat",
+                        help="the computation's rate: every FLOP at --mfu of the peak (flat), "
+                             "or each linear product at its shape's tile- and wave-quantised "
+                             "rate under that, or bound by its traffic, and norms, activations "
+                             "and the optimizer's step at HBM bandwidth (shape)")
+    choose.add_argument("--chunk-price", action="store_true",
+                        help="charge each interleaved chunk's sends their latency, and what "
+                             "outlasts the chunk's computation, even where they overlap it")
     choose.add_argument("--layout", type=layout_type,
                         help="evaluate one layout, tp=8,pp=16,dp=128[,cp=..,ep=..,etp=..,v=..]")
     parser.add_argument("--top", type=positive_int, default=10, help="configurations printed")
@@ -271,7 +279,7 @@ def settings_from_args(args):
         states="fp32_grads" if args.fp32_grads else "mixed", grad_reduce=args.grad_reduce,
         cp_scheme=args.cp_scheme, sequence_parallel=args.sequence_parallel,
         pp_async={"auto": None, "yes": True, "no": False}[args.pp_async],
-        dispatch_bytes=args.dispatch_bytes,
+        dispatch_bytes=args.dispatch_bytes, rate=args.rate, chunk_price=args.chunk_price,
         recompute=planner.RECOMPUTE if args.recompute == "auto" else (args.recompute,))
 
 

@@ -7,6 +7,8 @@ Pure functions, no process group: the scaling chapter computes its predictions w
 the labs use them for the same numbers, and the tests check them against hand arithmetic.
 """
 
+import math
+
 from . import comm_model
 
 # DDP's bucket caps when bucket_cap_mb is left unset: the first bucket closes at 1 MiB, so
@@ -750,3 +752,47 @@ def published_bubble_fraction(schedule, stages, microbatches, forward_s, input_g
     idle = published_bubble_s(schedule, stages, forward_s, input_grad_s, weight_grad_s,
                               overlapped_s)
     return idle / (idle + pieces * microbatches * (forward_s + input_grad_s + weight_grad_s))
+
+
+# A matrix product's rate by its shape. A GPU computes C = A B (A: m x k, B: k x n) in
+# output tiles, one thread block per tile, in waves of one tile per SM (NVIDIA, "Matrix
+# Multiplication Background User's Guide", Deep Learning Performance documentation, its
+# "Tile quantization" and "Wave quantization"): m and n are rounded up to whole tiles, and
+# the tiles to whole waves. The guide's worked example takes 256 x 128 tiles on the A100's
+# 108 SMs. cuBLAS picks among several tiles, so one tile's loss is an upper bound on what it
+# loses.
+GEMM_TILE = (256, 128)
+
+
+def gemm_shape_efficiency(m, n, sms, batch=1, tile=GEMM_TILE):
+    """The fraction of a GPU's large-product rate a product with an m x n output (`batch` of
+    them, one launch) keeps after tile quantisation, m n / (ceil(m/tm) tm ceil(n/tn) tn),
+    and wave quantisation, tiles / (ceil(tiles/SMs) SMs). Both tend to 1 as m and n grow."""
+    tm, tn = tile
+    rows, cols = math.ceil(m / tm), math.ceil(n / tn)
+    tiles = batch * rows * cols
+    return m * n / (rows * tm * cols * tn) * tiles / (math.ceil(tiles / sms) * sms)
+
+
+def gemm_seconds(m, n, k, ceiling_flops, memory_bytes_per_s, sms, batch=1, value_bytes=2):
+    """Seconds of `batch` products of (m x k) by (k x n): the compute at `ceiling_flops`
+    (the rate large products reach) times gemm_shape_efficiency, or reading both operands
+    and writing the output at the memory's rate, whichever is longer (a roofline)."""
+    compute = 2 * m * n * k * batch / (ceiling_flops * gemm_shape_efficiency(m, n, sms, batch))
+    traffic = batch * value_bytes * (m * k + k * n + m * n) / memory_bytes_per_s
+    return max(compute, traffic)
+
+
+def gemm_rate(m, n, k, ceiling_flops, memory_bytes_per_s, sms, batch=1, value_bytes=2):
+    """FLOP/s of gemm_seconds' product: at most `ceiling_flops`."""
+    return 2 * m * n * k * batch / gemm_seconds(m, n, k, ceiling_flops, memory_bytes_per_s,
+                                                sms, batch, value_bytes)
+
+
+def trained_gemm_seconds(m, n, k, ceiling_flops, memory_bytes_per_s, sms, batch=1):
+    """A linear layer's three products in a training step, m tokens through a k x n weight:
+    the forward (m x k by k x n), the input's gradient (m x n by n x k) and the weight's
+    (k x m by m x n), each at its own shape's rate (gemm_seconds)."""
+    args = (ceiling_flops, memory_bytes_per_s, sms, batch)
+    return gemm_seconds(m, n, k, *args) + gemm_seconds(m, k, n, *args) \
+        + gemm_seconds(k, n, m, *args)

@@ -38,7 +38,9 @@ A layout fits when that fits the GPU's memory less the CUDA context's and NCCL's
 (memory_per_gpu.reserve_bytes).
 
 Time, per step: compute at a stated fraction of the peak (the layers' and the head's
-products, attention's as a kernel runs them, the embedding's lookup none), the routed
+products, attention's as a kernel runs them, the embedding's lookup none), or with
+Settings.rate "shape" each linear product at its shape's rate under that fraction and the
+other kernels at HBM bandwidth (step.shaped_compute), the routed
 experts' products at the slower of that and their HBM traffic (expert_matmul_slowdown);
 the pipeline's idle time (time_model.pipeline_bubble_fraction, m < p included), each slot
 a micro-batch's computation and exposed traffic; tensor-parallel collectives
@@ -47,7 +49,8 @@ the last) on NVLink, a stated fraction overlapped, or with tp_comm_overlap each 
 linear layer's product, as Transformer Engine runs them, or torch's eight a layer
 (torch_tp), six of them fused with their products under async_tp
 (tensor_parallel_overlapped_time); the pipeline's sends, in series or beside the
-computation (Settings.pp_async); the data-parallel collectives
+computation (Settings.pp_async; with chunk_price their latency and what outlasts each
+chunk's computation stay exposed even then); the data-parallel collectives
 (comm_model.data_parallel_step_collectives) over NCCL's ring or tree
 (time_model.nccl_allreduce_time), the gradients in Settings.grad_reduce, the reductions
 hidden behind the backward and the parameters' gathers after the step behind the next
@@ -82,9 +85,9 @@ planner` and `planner.<name>` work as they did when the planner was one file.
 
 from .shapes import (ASPECT, GPT_VOCAB, HEAD_DIM, HashedOnce, Model, largest_layer_params,
                      layer_kinds, rank_params, shape_from_params, stage_params)
-from .settings import (ALL_TO_ALL_RESERVE_GB, COMPUTE_EFFICIENCY, GRAD_REDUCE_BYTES, RECOMPUTE,
-                       RUNTIME_RESERVE_GB, SCHEDULES, TP_OVERLAP, VALUE_BYTES, ZERO, Hardware,
-                       Settings)
+from .settings import (ALL_TO_ALL_RESERVE_GB, COMPUTE_EFFICIENCY, GPU_BY_PEAK, GRAD_REDUCE_BYTES,
+                       RATES, RECOMPUTE, RUNTIME_RESERVE_GB, SCHEDULES, TP_OVERLAP, VALUE_BYTES,
+                       ZERO, Hardware, Settings)
 from .presets import PRESETS
 from .layout import (MAX_END_TRIM, chunk_flops, chunk_split, divisors, expert_replicas,
                      interleavings, layer_flops,
@@ -98,11 +101,12 @@ from .data_parallel import (data_parallel_exposed_seconds, data_parallel_parts,
                             data_parallel_time, rank_data_parallel_parts,
                             slowest_data_parallel_time, stage_data_parallel_time,
                             tied_embedding_seconds)
-from .pipeline import bubble_seconds, send_seconds, sends_overlapped
+from .pipeline import bubble_seconds, chunk_exposed_seconds, send_seconds, sends_overlapped
 from .context_parallel import CP_SCHEMES, context_parallel_seconds
 from .expert_parallel import dispatch_collective_time, dispatch_seconds, expert_matmul_slowdown
 from .memory_per_gpu import (memory, reserve_bytes, stage_activation_values, stage_footprints,
                              state_bytes, with_reserve)
-from .step import mfu, step_time
+from .step import (ADAM_BYTES, elementwise_bytes_per_token, linear_rate, mfu, optimizer_seconds,
+                   shaped_compute, step_time, unfused_attention_rate)
 from .search import (MICRO_BATCH_SIZES, cheapest_recompute, configurations,
                      degree_options, evaluate, plan, rank_layout, settings_for, why_not)

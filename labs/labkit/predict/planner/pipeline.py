@@ -50,3 +50,20 @@ def send_seconds(model, batch, seq, tp, cp, dp, pp, microbatches, chunks, hw):
     alpha, beta = hw.nvlink if tp * cp * dp * pp <= hw.gpus_per_node else hw.network
     return microbatches * chunks * 2 * (alpha + VALUE_BYTES * batch * seq * model.hidden
                                         / tp / beta)
+
+
+def chunk_exposed_seconds(model, batch, seq, tp, cp, dp, pp, microbatches, chunks, hw,
+                          forward, backward):
+    """What overlapped sends still cost in a step (Settings.chunk_price): each of the m x v
+    activations sent forward and gradients sent back (v times a 1F1B pipeline's, Narayanan
+    et al., 2021, section 2.2) waits its link's latency, the launch and the matching
+    receive that no overlap hides, and a transfer longer than the chunk's computation
+    beside it (a micro-batch's forward, or backward, over v chunks: `forward` and
+    `backward` seconds of a step's m micro-batches) leaves the rest exposed."""
+    if pp == 1:
+        return 0.0
+    alpha, beta = hw.nvlink if tp * cp * dp * pp <= hw.gpus_per_node else hw.network
+    transfer = VALUE_BYTES * batch * seq * model.hidden / tp / beta
+    slots = microbatches * chunks
+    return slots * (2 * alpha + max(0.0, transfer - forward / slots)
+                    + max(0.0, transfer - backward / slots))

@@ -8,6 +8,10 @@ from .shapes import HashedOnce
 
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "interleaved")
+# How the computation's rate is priced (Settings.rate): "flat", every FLOP at one fraction of
+# the peak (Settings.mfu); "shape", each product at its shape's rate and the other kernels
+# at HBM bandwidth (shape_rate)
+RATES = ("flat", "shape")
 ZERO = memory_model.STRATEGIES
 # bf16 activations and collectives; the gradients' data-parallel reductions take
 # GRAD_REDUCE_BYTES instead
@@ -38,6 +42,16 @@ RUNTIME_RESERVE_GB = 1.06
 ALL_TO_ALL_RESERVE_GB = 4.34 - 1.06
 
 
+# What Settings.rate "shape" needs of a GPU beyond Hardware's fields, by its dense bf16 peak
+# in TFLOP/s: its SMs (NVIDIA's A100 and H100 architecture whitepapers) and its HBM bandwidth
+# (datasheets, the A100 80 GB's): Hardware.memory_tb_s is the H100's unless a caller sets it,
+# an A100's peak included. The H800 SXM is an H100 SXM for both
+GPU_BY_PEAK = {
+    round(hardware.A100_BF16_FLOPS / 1e12): dict(sms=108, hbm=hardware.A100_80GB_HBM_BYTES_S),
+    round(hardware.H100_BF16_FLOPS / 1e12): dict(sms=132, hbm=hardware.H100_HBM_BYTES_S),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class Hardware(HashedOnce):
     gpus: int
@@ -47,6 +61,15 @@ class Hardware(HashedOnce):
     nvlink_gb_s: float = hardware.NVLINK[1] / 1e9
     network_gb_s: float = hardware.NIC[1] / 1e9
     memory_tb_s: float = hardware.H100_HBM_BYTES_S / 1e12   # HBM, for the roofline
+
+    @property
+    def sms_and_hbm(self):
+        """(SMs, HBM bytes/s) of this GPU (GPU_BY_PEAK), known by its peak; another peak:
+        the H100's SMs and memory_tb_s."""
+        known = GPU_BY_PEAK.get(round(self.peak_tflops))
+        if known:
+            return known["sms"], known["hbm"]
+        return GPU_BY_PEAK[round(hardware.H100_BF16_FLOPS / 1e12)]["sms"], self.memory_tb_s * 1e12
 
     @property
     def nvlink(self):
@@ -109,6 +132,17 @@ class Settings(HashedOnce):
     # bytes a value of the tokens dispatched to their experts (expert_parallel.
     # dispatch_seconds): 2, or DeepSeek-V3's FP8 dispatch, 1; the combine stays 16-bit
     dispatch_bytes: int = VALUE_BYTES
+    # the computation's rate (RATES): "flat" (Settings.mfu of the peak for every FLOP), or
+    # "shape" (shape_rate: the linear products at their tile- and wave-quantised rate under
+    # the GPU's measured matmul ceiling or at HBM bandwidth, unfused attention's likewise, a
+    # fused attention at Settings.mfu, norms, activations, an unfused softmax and the
+    # optimizer's step at HBM bandwidth)
+    rate: str = "flat"
+    # a price for each interleaved chunk (pipeline.chunk_exposed_seconds): each of a
+    # step's m x v x 2 sends waits its latency even where the sends overlap the
+    # computation, and a send longer than the chunk's computation it overlaps waits for the
+    # rest. Off: overlapped sends cost nothing outside the fill and drain
+    chunk_price: bool = False
 
 
 # dataclass(frozen=True) writes a __hash__ of its own into each class: put the cached one back
