@@ -106,18 +106,21 @@
     return text;
   }
 
+  // The answer first: a phone shows a table's first columns and scrolls to the rest, so
+  // the layout (held in place while the rest scrolls), its step time and MFU lead, and the
+  // settings that produce them follow.
   function configurationRows(list) {
     return list.map((c) => {
       const t = c.time_s;
       const comm = t.tp + t.pp + t.dp + t.cp + t.ep;
-      return [layoutLabel(c), ZERO[c.zero], `${c.micro_batch} × ${c.microbatches}`,
-        c.recompute, fmt(c.memory_bytes.total / GB), fmt(t.step, 2),
+      return [layoutLabel(c), fmt(t.step, 2), `${fmt(100 * c.mfu, 0)} %`,
+        fmt(c.memory_bytes.total / GB),
         `${fmt(t.compute + t.recompute, 2)} + ${fmt(t.bubble, 2)} + ${fmt(comm, 2)}`,
-        `${fmt(100 * c.mfu, 0)} %`];
+        ZERO[c.zero], `${c.micro_batch} × ${c.microbatches}`, c.recompute];
     });
   }
-  const CONFIG_HEADERS = ["layout", "ZeRO", "b × m", "recompute", "GB / GPU", "step s",
-    "s: compute + bubble + comm", "MFU"];
+  const CONFIG_HEADERS = ["layout", "step s", "MFU", "GB / GPU",
+    "s: compute + bubble + comm", "ZeRO", "b × m", "recompute"];
 
   function render(result) {
     const out = $("sizing-results");
@@ -130,10 +133,11 @@
     };
     heading(`Model states per GPU: ${fmt(model.params / 1e9, 2)} B parameters`);
     memoryChart(out, result.memory_per_gpu);
-    const memoryTable = table(out, ["", "parameters GB", "gradients GB", "optimizer GB",
-      "total GB"], Object.entries(result.memory_per_gpu).map(([s, m]) =>
-      [ZERO[s], fmt(m.params / GB), fmt(m.grads / GB), fmt(m.optimizer / GB),
-        fmt(m.total / GB)]));
+    // the total first, for the same reason as the planner's step time
+    const memoryTable = table(out, ["", "total GB", "parameters GB", "gradients GB",
+      "optimizer GB"], Object.entries(result.memory_per_gpu).map(([s, m]) =>
+      [ZERO[s], fmt(m.total / GB), fmt(m.params / GB), fmt(m.grads / GB),
+        fmt(m.optimizer / GB)]));
     memoryTable.id = "sizing-memory";
     if (result.planner) {
       heading(`The planner's fastest of ${result.planner.count.toLocaleString("en-US")} ` +

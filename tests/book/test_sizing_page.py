@@ -4,7 +4,9 @@ through its chromedriver, the built site served on a free local port with a loca
 
 It fills the form with the ZeRO paper's example and reads its four figures, asks the
 planner the 70B-on-256-H100s question and compares the answer with labs/plan.py's, gives
-a bad input and sees one line, and measures the time from page load to the first answer.
+a bad input and sees one line, measures the time from page load to the first answer, and
+checks that on a phone's width the answer (step time, MFU, total memory) shows without
+scrolling the table.
 Without Chromium, chromedriver, selenium or the local Pyodide it skips, saying which.
 """
 
@@ -124,9 +126,20 @@ def fill(driver, **values):
 
 
 def table_rows(driver, table_id):
+    """Each body row of a result table as {header: cell text}: the tests read a column by
+    its name, whatever its place."""
     table = driver.find_element(By.ID, table_id)
-    return [[cell.text for cell in row.find_elements(By.TAG_NAME, "td")]
+    headers = [cell.text for cell in table.find_elements(By.CSS_SELECTOR, "thead th")]
+    return [dict(zip(headers, (cell.text for cell in row.find_elements(By.TAG_NAME, "td"))))
             for row in table.find_elements(By.CSS_SELECTOR, "tbody tr")]
+
+
+def narrow(driver, width):
+    """A viewport `width` CSS pixels wide, as a phone's: headless Chromium keeps a window
+    at least 500 px wide, so the page is given the width through DevTools instead."""
+    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {
+        "width": width, "height": 1000, "deviceScaleFactor": 1, "mobile": width < 500})
+    assert driver.execute_script("return window.innerWidth") == width
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +175,7 @@ def test_the_zero_papers_example(page, browser):
     fill(browser, model="params", params="7.5B", gpus="64", precision="mixed",
          optimizer="adam")
     rows = table_rows(browser, "sizing-memory")
-    assert {row[0]: row[-1] for row in rows} == {"DDP": "120.0", "ZeRO-1": "31.4",
+    assert {row[""]: row["total GB"] for row in rows} == {"DDP": "120.0", "ZeRO-1": "31.4",
                                                  "ZeRO-2": "16.6", "ZeRO-3": "1.9"}
 
 
@@ -176,9 +189,9 @@ def test_the_planner_agrees_with_the_command_line(page, browser, capsys):
     label = f"tp {best['tp']} · pp {best['pp']} · dp {best['dp']}"
     if best["chunks"] > 1:
         label += f", v {best['chunks']}"
-    assert first_row[0] == label
-    assert first_row[3] == best["recompute"]
-    assert first_row[5] == f"{best['time_s']['step']:.2f}"
+    assert first_row["layout"] == label
+    assert first_row["recompute"] == best["recompute"]
+    assert first_row["step s"] == f"{best['time_s']['step']:.2f}"
 
 
 def test_bad_input_is_one_line_in_the_form(page, browser):
@@ -190,3 +203,39 @@ def test_bad_input_is_one_line_in_the_form(page, browser):
     assert "does not fit: dp x tp x pp x cp = 3, not the 256 GPUs" in browser.find_element(
         By.ID, "sizing-layout").text
     assert "Traceback" not in browser.page_source
+
+
+# What the page answers, by table: a reader must see these without scrolling the table
+ANSWER_COLUMNS = {"sizing-best": ("layout", "step s", "MFU"), "sizing-memory": ("", "total GB")}
+
+
+@pytest.mark.parametrize("width", (1280, 390))
+def test_the_answer_shows_without_scrolling_the_table(page, browser, width):
+    """At a desktop's and at a phone's width the answer's columns lie inside the window
+    (they come first), and the column that names each row stays in view when the rest of
+    a wide table is scrolled. The page is not reloaded: only its layout changes."""
+    fill(browser, model="llama3-70b", gpus="256", global_batch_tokens="4M", layout="")
+    narrow(browser, width)
+    try:
+        for table_id, names in ANSWER_COLUMNS.items():
+            seen = browser.execute_script("""
+                const table = document.getElementById(arguments[0]);
+                const box = table.parentElement;
+                const place = (cell) => { const r = cell.getBoundingClientRect();
+                                          return [cell.textContent, r.left, r.right]; };
+                const headers = [...table.querySelectorAll("thead th")].map(place);
+                box.scrollLeft = box.scrollWidth;   // as far right as a reader can scroll
+                const held = place(table.querySelector("tbody td"));
+                box.scrollLeft = 0;
+                return {headers, held, view: document.documentElement.clientWidth,
+                        scrolls: box.scrollWidth > box.clientWidth};""", table_id)
+            where = {text: (left, right) for text, left, right in seen["headers"]}
+            for name in names:
+                left, right = where[name]
+                assert 0 <= left and right <= seen["view"] + 0.5, (
+                    f"{table_id}: column {name!r} at {left:.0f}-{right:.0f} px, "
+                    f"outside the {seen['view']} px window at {width} px")
+            if seen["scrolls"]:
+                assert seen["held"][1] >= 0, f"{table_id}: its first column scrolled away"
+    finally:
+        browser.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
