@@ -22,7 +22,7 @@ that trains the whole model on the whole batch.
                      m >= 2p
   no_loss_scale      pitfall: gpipe with each micro-batch's loss not divided by m
   recv_before_send   pitfall: each stage waits for a micro-batch's gradient before sending
-                     its activations: a deadlock, ended by --timeout with one line
+                     its activations: a deadlock, ended by --p2p-timeout with one line
 
 Each forward and backward of a micro-batch on each stage is timed, and where a schedule
 splits the backward, its I and its W apart. With --compute-ms T every forward lasts
@@ -171,7 +171,7 @@ class Pipeline:
 
     def __init__(self, name, shape, m, args, env):
         self.name, self.m, self.env = name, m, env
-        timeout_s = args.timeout   # every wait for a message gives up after it
+        timeout_s = args.p2p_timeout   # every wait for a message gives up after it
         p, v = env.world_size, chunks_of(name, args)
         self.indices = pieces_of(name, env.rank, p, v)
         self.last_piece = p * v - 1
@@ -252,7 +252,7 @@ def run_one(name, shape, m, args, env, expected, handoffs, profile=False):
         dist.barrier()
         start = time.perf_counter()
         with counting:
-            pipeline.run_schedule(ids, targets, args.timeout)
+            pipeline.run_schedule(ids, targets, args.p2p_timeout)
         synchronize()   # the step's last sends, queued on the GPU, are part of it
         elapsed = time.perf_counter() - start
         pipeline.optimizer.step()
@@ -342,7 +342,7 @@ def run_one(name, shape, m, args, env, expected, handoffs, profile=False):
         def one_step():
             pipeline.clock.reset()
             pipeline.clock.compute_s = None
-            pipeline.run_schedule(ids, targets, args.timeout)
+            pipeline.run_schedule(ids, targets, args.p2p_timeout)
             pipeline.optimizer.step()
             pipeline.optimizer.zero_grad(set_to_none=True)
         result["profile"] = str(profiling.profile_steps(args.profile, f"{name}-m{m}-p{p}",
@@ -402,7 +402,7 @@ def run(args, env):
     handoffs = handoff_samples(env.rank, env.world_size,
                                (batch // args.microbatches[0], shape.seq, shape.hidden),
                                env.device, HANDOFF_ROUNDS, (args.compute_ms or 0) / 1e3,
-                               timeout_s=args.timeout)
+                               timeout_s=args.p2p_timeout)
     for index, m in enumerate(args.microbatches):
         args.batch = m * args.microbatch_size if args.microbatch_size else args.batch
         expected = reference(shape, args.batch, args, env.device)
@@ -496,6 +496,12 @@ def parse_args(argv=None):
     parser.add_argument("--chunks", type=distenv.at_least(2), default=2,
                         help="pieces per rank in torch_interleaved (v)")
     parser.add_argument("--steps", type=distenv.positive_int, default=STEPS, help="training steps")
+    # apart from --timeout, which also bounds the ranks' first meeting: a short wait for a
+    # stage's message must not also fail a start that a busy machine has spread out
+    parser.add_argument("--p2p-timeout", type=distenv.number_above(0), default=None,
+                        metavar="SECONDS",
+                        help="how long a stage waits for a message of the schedule before it "
+                             "gives up (default: --timeout)")
     profiling.add_profile_arg(parser)
     add_shape_args(parser, SHAPE)
     args = parser.parse_args(argv)
@@ -503,6 +509,8 @@ def parse_args(argv=None):
     for m in args.microbatches:
         if args.microbatch_size is None and args.batch % m:
             distenv.fail(f"--microbatches {m} does not divide --batch {args.batch}")
+    if args.p2p_timeout is None:
+        args.p2p_timeout = args.timeout
     return args
 
 
