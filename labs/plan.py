@@ -205,7 +205,7 @@ def parse_args(argv=None):
     choose.add_argument("--dispatch-bytes", type=int, choices=(1, 2), default=2,
                         help="bytes a value of the tokens sent to their experts (1: FP8, as "
                              "DeepSeek-V3 dispatches; the combine stays 16-bit)")
-    choose.add_argument("--rate", choices=planner.RATES, default="flat",
+    choose.add_argument("--rate", choices=planner.RATES, default=planner.Settings.rate,
                         help="the computation's rate: every FLOP at --mfu of the peak (flat), "
                              "or each linear product at its shape's tile- and wave-quantised "
                              "rate under that, or bound by its traffic, and norms, activations "

@@ -3,7 +3,11 @@ all N GPUs, fits the stated memory, adds its step time up and is ranked; its mem
 course's model is the memory calculator's; its tensor-parallel term is the one traffic
 model; recomputation, fused attention, interleaving, context and expert parallelism move
 memory and time the way their definitions say; --layout ranks one layout; and neither the
-planner nor the cost models import torch."""
+planner nor the cost models import torch.
+
+The step-time formulas checked by hand here are the flat rate's (Settings(rate="flat")),
+every FLOP at one fraction of the peak; tests/test_planner_rate.py checks the shape rate,
+the planner's default, against them."""
 
 import dataclasses
 import json
@@ -166,7 +170,7 @@ def test_one_model_of_tensor_parallel_traffic():
     the chapter's table of what each axis sends lists the same function's collectives."""
     model = planner.PRESETS["llama3-70b"]
     hw = planner.Hardware(256)
-    settings = planner.Settings(global_batch_tokens=4 * 2 ** 20)
+    settings = planner.Settings(rate="flat", global_batch_tokens=4 * 2 ** 20)
 
     def priced(op, n, gather_bytes=2):
         if op == "all_reduce":
@@ -204,7 +208,7 @@ def test_one_model_of_tensor_parallel_traffic():
         got = planner.step_time(model, config, settings, hw)["tp"]
         assert got == pytest.approx(max(by_hand))
         assert got < max(head_on_every_stage)
-        fp8 = planner.Settings(global_batch_tokens=settings.global_batch_tokens,
+        fp8 = planner.Settings(rate="flat", global_batch_tokens=settings.global_batch_tokens,
                                precision="fp8")
         assert planner.step_time(model, config, fp8, hw)["tp"] == pytest.approx(max(fp8_by_hand))
     assert "comm_model.tensor_parallel_collectives(" in CHAPTER.read_text()
@@ -284,7 +288,7 @@ def test_tensor_parallel_overlap_hides_each_collective_behind_its_own_product():
 
     # the step time takes it, as a setting of the run
     config = layout(dp=4, tp=4, pp=4, microbatches=32)
-    on, off = (planner.step_time(model, config, planner.Settings(
+    on, off = (planner.step_time(model, config, planner.Settings(rate="flat",
         global_batch_tokens=128 * model.seq, tp_comm_overlap=overlap), hw)
         for overlap in (True, False))
     assert on["tp"] < off["tp"] and on["compute"] == off["compute"]
@@ -352,7 +356,7 @@ def test_expert_overlap_hides_the_dispatch_behind_the_computation_as_far_as_it_l
     config = layout(dp=64, tp=1, pp=1, ep=8, microbatches=8)
     for gpus, slow in ((64, False), (64, True)):
         hw = planner.Hardware(gpus, nvlink_gb_s=0.01 if slow else 360)   # ep 8: one node
-        plain, hidden = (planner.step_time(model, config, planner.Settings(
+        plain, hidden = (planner.step_time(model, config, planner.Settings(rate="flat",
             global_batch_tokens=2 ** 20, ep_overlap=overlap), hw) for overlap in (False, True))
         work = plain["compute"] + plain["recompute"]
         assert hidden["ep"] == pytest.approx(max(0.0, plain["ep"] - work))
@@ -372,7 +376,7 @@ def test_recomputation_trades_memory_for_compute():
     keeps (heads x s values per token and layer) for attention's forward again; full
     recomputation keeps each layer's input for a whole forward again."""
     model, hw = planner.PRESETS["llama3-70b"], planner.Hardware(256)
-    plain = planner.Settings(global_batch_tokens=4 * 2 ** 20, flash_attention=False)
+    plain = planner.Settings(rate="flat", global_batch_tokens=4 * 2 ** 20, flash_attention=False)
     mem = {r: planner.memory(model, layout(recompute=r), plain, hw) for r in planner.RECOMPUTE}
     time_ = {r: planner.step_time(model, layout(recompute=r), plain, hw)
              for r in planner.RECOMPUTE}
@@ -385,7 +389,7 @@ def test_recomputation_trades_memory_for_compute():
     matrix = 2 * model.heads * model.seq / 8 * model.seq * layers * in_flight
     assert mem["none"]["total"] - mem["selective"]["total"] == pytest.approx(matrix)
     # a fused attention keeps no matrix: selective recomputation saves nothing more
-    fused = planner.Settings(global_batch_tokens=4 * 2 ** 20)
+    fused = planner.Settings(rate="flat", global_batch_tokens=4 * 2 ** 20)
     assert planner.memory(model, layout(), fused, hw) == mem["selective"]
 
 
@@ -396,9 +400,10 @@ def test_fp8_runs_the_linear_products_faster_gathers_less_and_can_keep_less():
     inputs at half a 16-bit value (a dense Llama layer: QKV and MLP inputs, attention's
     output, the last MLP matrix's input)."""
     model, hw = planner.PRESETS["llama3-8b"], planner.Hardware(64)
-    bf16 = planner.Settings(global_batch_tokens=2 ** 21)
-    fp8 = planner.Settings(global_batch_tokens=2 ** 21, precision="fp8")
-    kept = planner.Settings(global_batch_tokens=2 ** 21, precision="fp8", fp8_activations=True)
+    bf16 = planner.Settings(rate="flat", global_batch_tokens=2 ** 21)
+    fp8 = planner.Settings(rate="flat", global_batch_tokens=2 ** 21, precision="fp8")
+    kept = planner.Settings(
+            rate="flat", global_batch_tokens=2 ** 21, precision="fp8", fp8_activations=True)
     config = layout(dp=16, tp=4, pp=1, zero="zero3", microbatches=4)
     rate = hw.peak_tflops * 1e12 * bf16.mfu
     saved = 6 * model.active_matrix_params() * (1 - 1 / pm.FP8_MATMUL_RATIO) * 2 ** 21 / 64 / rate
@@ -453,7 +458,8 @@ def test_the_bubble_interleaving_and_fewer_microbatches_than_stages():
     both; interleaved, the sends run beside the computation by Megatron-LM's default and
     wait only there."""
     model = planner.Model(64, 4096, 32, 2048, 51200)   # 64 layers, the head on the last
-    hw, settings = planner.Hardware(64), planner.Settings(global_batch_tokens=64 * 2048 * 2)
+    hw, settings = planner.Hardware(64), planner.Settings(
+            rate="flat", global_batch_tokens=64 * 2048 * 2)
     for m, v in ((16, 1), (16, 2), (16, 4), (4, 1), (4, 2)):
         config = layout(pp=8, tp=8, dp=1, microbatches=m, chunks=v, micro_batch=128 // m)
         t = planner.step_time(model, config, settings, hw)
@@ -520,7 +526,7 @@ def test_context_parallelism_splits_activations_and_hides_its_ring_on_long_seque
     model = planner.PRESETS["llama3-8b"]
     hw = planner.Hardware(64)
     long = dataclasses_replace(model, seq=65536)
-    settings = planner.Settings(global_batch_tokens=16 * 65536)
+    settings = planner.Settings(rate="flat", global_batch_tokens=16 * 65536)
     one = planner.memory(long, layout(dp=8, tp=8, pp=1, cp=1, microbatches=2), settings, hw)
     two = planner.memory(long, layout(dp=4, tp=8, pp=1, cp=2, microbatches=4), settings, hw)
     assert two["activations"] == pytest.approx(one["activations"] / 2 * 2, rel=1e-9) or \
@@ -528,7 +534,7 @@ def test_context_parallelism_splits_activations_and_hides_its_ring_on_long_seque
     # at 64K tokens a block's attention outlasts passing its K and V: nothing exposed
     assert planner.step_time(long, layout(dp=4, tp=8, pp=1, cp=2, microbatches=4),
                              settings, hw)["cp"] == 0
-    short = planner.Settings(global_batch_tokens=64 * 1024)
+    short = planner.Settings(rate="flat", global_batch_tokens=64 * 1024)
     tiny = dataclasses_replace(model, seq=1024)
     assert planner.step_time(tiny, layout(dp=1, tp=8, pp=1, cp=8, microbatches=64),
                              short, hw)["cp"] > 0
@@ -543,7 +549,7 @@ def test_pipeline_sends_split_over_tensor_and_context_parallel_ranks():
     (sequence parallelism), of its s/cp tokens: one forward and one backward per
     micro-batch and chunk."""
     model, hw = planner.PRESETS["llama3-70b"], planner.Hardware(512)
-    settings = planner.Settings(global_batch_tokens=4 * 2 ** 20)
+    settings = planner.Settings(rate="flat", global_batch_tokens=4 * 2 ** 20)
     for tp, cp in ((1, 1), (8, 1), (8, 2)):
         config = layout(dp=512 // (tp * cp * 8), tp=tp, pp=8, cp=cp, microbatches=8)
         got = planner.step_time(model, config, settings, hw)["pp"]
@@ -621,7 +627,8 @@ def test_the_end_stages_give_up_layers_and_schedules_must_be_able_to_run(capsys)
     assert planner.stage_split(ten, 2, 4) == (5, 5)     # the head's chunk the smallest
     assert planner.chunk_split(ten, 2, 4)[-1] == min(planner.chunk_split(ten, 2, 4)[1::2])
     assert planner.stage_split(planner.Model(10, 256, 4, 128, 1000), 4, 4) is None   # 16 > 12
-    hw, settings = planner.Hardware(16384), planner.Settings(global_batch_tokens=16 * 2 ** 20)
+    hw, settings = planner.Hardware(16384), planner.Settings(
+            rate="flat", global_batch_tokens=16 * 2 ** 20)
     assert "a multiple of pp 16" in planner.why_not(
         llama405, layout(dp=128, pp=16, chunks=2, microbatches=24), settings, hw)
     assert "more than the 10 layers and two end chunks without one" in planner.why_not(
@@ -652,7 +659,7 @@ def deepseek_v3_as_published():
     """DeepSeek-V3 on 2,048 H800s as its report ran it (§3.2, §4.2): (model, hardware,
     settings, layout without DualPipe)."""
     return (planner.PRESETS["deepseek-v3"], planner.Hardware(gpus=2048, nvlink_gb_s=160),
-            planner.Settings(global_batch_tokens=15360 * 4096),
+            planner.Settings(rate="flat", global_batch_tokens=15360 * 4096),
             dict(dp=128, tp=1, pp=16, cp=1, ep=64, chunks=1, micro_batch=1,
                  microbatches=120, zero="zero1", recompute="full"))
 
@@ -683,14 +690,46 @@ def test_dualpipe_halves_the_bubble_and_hides_the_all_to_alls():
     assert one["ep"] + one["pp"] < work
 
 
+def test_zb_h1_is_priced_by_the_walk_of_its_order():
+    """A layout that names ZB-H1 (zb=1, torch's ScheduleInterleavedZeroBubble) idles what
+    time_model.zero_bubble_bubble_fraction walks at the step's F, I and W (W as long as
+    F, I the rest of the backward), the same function the pipeline lab measures its runs
+    against; less than 1F1B at the same layout. Its memory counts the micro-batches its
+    order keeps from a forward to its W: p on every rank, where 1F1B's later ranks hold
+    fewer, so never less than 1F1B's."""
+    model = planner.Model(64, 4096, 32, 2048, 51200)
+    hw = planner.Hardware(64)
+    # attention unfused: a third of every product in the forward, as of the linear ones
+    settings = planner.Settings(rate="flat", global_batch_tokens=64 * 2048 * 2,
+                                flash_attention=False)
+    base = layout(pp=8, tp=8, dp=1, microbatches=16, micro_batch=8)
+    one, zb = (planner.step_time(model, config, settings, hw)
+               for config in (base, {**base, "zb": 1}))
+    work = zb["compute"] + zb["recompute"]
+    forward = work / 3   # no recomputation: a third of the products
+    slowest = work * planner.stage_imbalance(model, planner.stage_split(model, 8, flash=False),
+                                             flash=False)
+    fraction = time_model.zero_bubble_bubble_fraction("zb1p", 8, 16, forward,
+                                                      work - 2 * forward, forward, 1)
+    traffic = zb["tp"] + zb["pp"] + zb["cp"] + zb["ep"]
+    assert zb["bubble"] == pytest.approx((slowest + traffic) / (1 - fraction) - work - traffic)
+    assert 0 < zb["bubble"] < one["bubble"] and zb["compute"] == one["compute"]
+    assert memory_model.zero_bubble_peak_microbatches("zb1p", 8, 16, 1) == [8] * 8
+    assert planner.memory(model, {**base, "zb": 1}, settings, hw)["total"] >= \
+        planner.memory(model, base, settings, hw)["total"]
+    assert planner.parse_layout("tp=8,pp=8,dp=1,zb=1")["zb"] == 1
+    assert "one schedule" in planner.why_not(model, {**base, "zb": 1, "dualpipe": 1},
+                                             settings, hw)
+
+
 def test_an_fp32_gradient_buffer_takes_two_bytes_more_and_reduces_in_fp32():
     """Megatron-LM's bf16 keeps its gradients in fp32 (18 bytes per parameter with Adam,
     its distributed-optimizer guide): under ZeRO-1 the gradients are whole on every rank,
     so the states grow by 2 bytes per parameter of the stage, and the reduce-scatter
     carries 4 bytes per gradient."""
     model, hw = planner.PRESETS["llama3-8b"], planner.Hardware(64)
-    mixed = planner.Settings(global_batch_tokens=2 ** 21)
-    fp32 = planner.Settings(global_batch_tokens=2 ** 21, states="fp32_grads")
+    mixed = planner.Settings(rate="flat", global_batch_tokens=2 ** 21)
+    fp32 = planner.Settings(rate="flat", global_batch_tokens=2 ** 21, states="fp32_grads")
     config = layout(dp=16, tp=4, pp=1, zero="zero1", microbatches=4)
     grow = planner.memory(model, config, fp32, hw)["grads"] / planner.memory(
         model, config, mixed, hw)["grads"]
@@ -705,7 +744,7 @@ def test_an_fp32_gradient_buffer_takes_two_bytes_more_and_reduces_in_fp32():
 def test_full_recomputation_repeats_the_expert_all_to_alls():
     model = planner.Model(8, 2048, 16, 2048, 32000, gpt=False, experts=16, top_k=2,
                           expert_hidden=1024)
-    hw, settings = planner.Hardware(64), planner.Settings(global_batch_tokens=2 ** 20)
+    hw, settings = planner.Hardware(64), planner.Settings(rate="flat", global_batch_tokens=2 ** 20)
     base = layout(dp=64, tp=1, pp=1, ep=8, microbatches=8)
     t = {r: planner.step_time(model, {**base, "recompute": r}, settings, hw)["ep"]
          for r in ("none", "full")}
@@ -715,7 +754,7 @@ def test_full_recomputation_repeats_the_expert_all_to_alls():
 def test_expert_parallelism_divides_the_experts_and_pays_its_all_to_alls():
     model = planner.Model(8, 2048, 16, 2048, 32000, gpt=False, experts=16, top_k=2,
                           expert_hidden=1024)
-    hw, settings = planner.Hardware(64), planner.Settings(global_batch_tokens=2 ** 20)
+    hw, settings = planner.Hardware(64), planner.Settings(rate="flat", global_batch_tokens=2 ** 20)
     dense, experts_1 = planner.stage_params(model, 0, 8, 1, 1, True, True)
     _, experts_8 = planner.stage_params(model, 0, 8, 1, 8, True, True)
     assert experts_8 == experts_1 / 8
@@ -734,7 +773,7 @@ def test_expert_tensor_parallelism_splits_the_experts_or_keeps_them_whole():
     dispatcher then gathers each received copy over the etp ranks."""
     model = planner.Model(8, 2048, 16, 2048, 32000, gpt=False, experts=16, top_k=2,
                           expert_hidden=1024)
-    hw, settings = planner.Hardware(64), planner.Settings(global_batch_tokens=2 ** 20)
+    hw, settings = planner.Hardware(64), planner.Settings(rate="flat", global_batch_tokens=2 ** 20)
     h, k, f = model.hidden, model.top_k, model.expert_hidden
     # the experts' weights: split etp ways, not tp
     (dense2, split), (dense1, whole) = (model.layer_params(1, 2, 8, False, etp)
@@ -810,7 +849,7 @@ def test_small_expert_products_are_bound_by_their_memory_traffic():
     # the tokens of 64 expert-parallel ranks meet on each expert: compute-bound
     assert planner.expert_matmul_slowdown(model, 4096, 1, 64, rate, hw) == 1.0
     # a step pays it on the routed experts' share of the compute, and only there
-    settings = planner.Settings(global_batch_tokens=2 ** 22)
+    settings = planner.Settings(rate="flat", global_batch_tokens=2 ** 22)
     few, many = (planner.step_time(model, layout(dp=64, tp=1, pp=1, ep=ep, micro_batch=1,
                                                  microbatches=16), settings, hw)
                  for ep in (1, 64))
@@ -873,7 +912,7 @@ def test_flop_conventions_by_hand():
     assert flops(layers, hidden, seq, vocab, "attention", tied_head=True) \
         == 6 * tied + 12 * layers * hidden * seq
     model = planner.Model(layers, hidden, 4, seq, vocab)
-    settings, hw = planner.Settings(global_batch_tokens=seq * 8), planner.Hardware(8)
+    settings, hw = planner.Settings(rate="flat", global_batch_tokens=seq * 8), planner.Hardware(8)
     ratio = planner.mfu(model, settings, hw, 1.0, True) / planner.mfu(model, settings, hw, 1.0)
     assert ratio == pytest.approx(flops(layers, hidden, seq, vocab, "attention") / (6 * psi))
 
@@ -981,16 +1020,17 @@ def test_context_parallelism_as_each_source_runs_it():
     gather = time_model.shard_collective_time(block * cp, cp, *hw.nvlink)
     for recompute, forwards in (("none", 1), ("full", 2)):
         config = layout(dp=1, tp=tp, pp=1, cp=cp, microbatches=m, recompute=recompute)
-        ring = planner.step_time(model, config, planner.Settings(
+        ring = planner.step_time(model, config, planner.Settings(rate="flat",
             global_batch_tokens=m * 4096), hw)["cp"]
         assert ring == pytest.approx((cp - 1) * (forwards * max(0.0, send - forward)
                                                  + max(0.0, 2 * send - backward)) * 2 * m)
-        allgather = planner.step_time(model, config, planner.Settings(
+        allgather = planner.step_time(model, config, planner.Settings(rate="flat",
             global_batch_tokens=m * 4096, cp_scheme="allgather"), hw)["cp"]
         assert allgather == pytest.approx((forwards + 2) * gather * 2 * m)
     two_blocks = (cp - 1) * max(0.0, 2 * send - 3 * forward) * 2 * m   # the old price
     assert planner.step_time(model, layout(dp=1, tp=tp, pp=1, cp=cp, microbatches=m),
-                             planner.Settings(global_batch_tokens=m * 4096), hw)["cp"] \
+                             planner.Settings(
+                                     rate="flat", global_batch_tokens=m * 4096), hw)["cp"] \
         > two_blocks
     assert planner.Settings(global_batch_tokens=1).cp_scheme == "ring"
     assert plan.settings_from_args(plan.parse_args(
@@ -1010,7 +1050,7 @@ def test_a_fused_attentions_backward_is_two_and_a_half_forwards():
     assert products["backward"] == 2.5 * products["forward"]
     assert model.attention_flops_executed_per_token(True) == conventional / 3 * 3.5 * 0.5
     assert model.attention_flops_executed_per_token(False) == conventional
-    hw, settings = planner.Hardware(8), planner.Settings(global_batch_tokens=8 * 2048)
+    hw, settings = planner.Hardware(8), planner.Settings(rate="flat", global_batch_tokens=8 * 2048)
     rate = hw.peak_tflops * 1e12 * settings.mfu
     linear = 6 * sum(sum(model.layer_params(i)) for i in range(4)) + 6 * 1000 * 1024
     t = planner.step_time(model, layout(dp=8, tp=1, pp=1, microbatches=1), settings, hw)
@@ -1027,7 +1067,7 @@ def test_the_embedding_lookup_costs_no_flops():
     untied = planner.Model(4, 1024, 8, 2048, 50000, gpt=False)
     tied = dataclasses.replace(untied, tied=True)
     assert untied.params() - tied.params() == 50000 * 1024
-    hw, settings = planner.Hardware(8), planner.Settings(global_batch_tokens=8 * 2048)
+    hw, settings = planner.Hardware(8), planner.Settings(rate="flat", global_batch_tokens=8 * 2048)
     config = layout(dp=8, tp=1, pp=1, microbatches=1)
     times = [planner.step_time(m, config, settings, hw)["compute"] for m in (untied, tied)]
     assert times[0] == times[1]
@@ -1074,7 +1114,7 @@ def test_a_tied_head_on_its_own_stage_keeps_a_copy_and_sums_its_gradient():
     assert planner.tied_embedding_seconds(model, tp, 1, False, hw, 4) == 0
     assert planner.tied_embedding_seconds(dataclasses.replace(model, tied=False), tp, 2,
                                           False, hw, 4) == 0
-    settings = planner.Settings(global_batch_tokens=32 * 2048, zero=("zero3",))
+    settings = planner.Settings(rate="flat", global_batch_tokens=32 * 2048, zero=("zero3",))
     config = layout(dp=4, tp=tp, pp=2, microbatches=8, zero="zero3")
     assert planner.step_time(model, config, settings, hw)["dp"] >= summed
 
@@ -1093,7 +1133,8 @@ def test_parameters_gathered_after_the_step_hide_only_behind_the_next_forward():
     for zero in ("zero1", "zero2"):
         config = layout(dp=64, tp=1, pp=1, zero=zero, microbatches=4, recompute="full")
         for grad_reduce, value_bytes in (("fp32", 4), ("bf16", 2)):
-            settings = planner.Settings(global_batch_tokens=2 ** 21, grad_reduce=grad_reduce)
+            settings = planner.Settings(
+                    rate="flat", global_batch_tokens=2 ** 21, grad_reduce=grad_reduce)
             t = planner.step_time(model, config, settings, hw)
             forward, backward = t["recompute"], t["compute"] - t["recompute"]
             (reduced, gathered), = planner.rank_data_parallel_parts(
@@ -1115,8 +1156,8 @@ def test_sequence_parallelism_is_a_setting():
     outputs forward and their gradients backward, and keeps its norms' and matrices'
     inputs whole on every rank; the overlaps that need it are refused."""
     model, hw = planner.PRESETS["llama3-70b"], planner.Hardware(64)
-    off = planner.Settings(global_batch_tokens=2 ** 20, sequence_parallel=False)
-    on = planner.Settings(global_batch_tokens=2 ** 20)
+    off = planner.Settings(rate="flat", global_batch_tokens=2 ** 20, sequence_parallel=False)
+    on = planner.Settings(rate="flat", global_batch_tokens=2 ** 20)
     config = layout(dp=2, tp=8, pp=4, microbatches=64)
     split = planner.stage_split(model, 4)
     by_hand = max(64 * sum(comm_model.allreduce_time(2 * n, 8, *hw.nvlink) for _, n in
@@ -1144,7 +1185,7 @@ def test_overlapped_pipeline_sends_wait_only_in_the_fill_and_drain():
     tokens = 128 * 2048
     for v in (1, 2):
         config = layout(pp=8, tp=8, dp=1, microbatches=16, micro_batch=8, chunks=v)
-        runs = {a: planner.step_time(model, config, planner.Settings(
+        runs = {a: planner.step_time(model, config, planner.Settings(rate="flat",
             global_batch_tokens=tokens, pp_async=a), hw) for a in (None, True, False)}
         sends = runs[False]["pp"]
         assert sends > 0 and runs[True]["pp"] == 0
@@ -1159,7 +1200,8 @@ def test_a_layout_fits_the_memory_the_runtime_leaves():
     """A layout fits when its tensors fit the nominal memory less the CUDA context's and
     NCCL's buffers (1.06 GB measured on eight H100s; 4.34 GB after an all-to-all, which a
     mixture of experts over ep > 1 ranks runs)."""
-    model, settings = planner.PRESETS["llama3-8b"], planner.Settings(global_batch_tokens=2 ** 21)
+    model, settings = planner.PRESETS["llama3-8b"], planner.Settings(
+            rate="flat", global_batch_tokens=2 ** 21)
     config = layout(dp=16, tp=4, pp=1, microbatches=4)
     mem = planner.memory(model, config, settings, planner.Hardware(64))
     assert mem["usable"] == 80e9 - 1.06e9 and mem["reserve"] == 1.06e9
@@ -1171,7 +1213,8 @@ def test_a_layout_fits_the_memory_the_runtime_leaves():
     moe = planner.Model(8, 2048, 16, 2048, 32000, gpt=False, experts=16, top_k=2,
                         expert_hidden=1024)
     moe_mem = planner.memory(moe, layout(dp=64, tp=1, pp=1, ep=8, microbatches=8),
-                             planner.Settings(global_batch_tokens=2 ** 20), planner.Hardware(64))
+                             planner.Settings(rate="flat", global_batch_tokens=2 ** 20),
+                             planner.Hardware(64))
     assert moe_mem["reserve"] == pytest.approx(4.34e9)
 
 
@@ -1187,7 +1230,8 @@ def test_the_search_tries_every_interleaving_the_cut_allows():
     assert 3 not in planner.interleavings(presets["llama3-70b"], 8)   # 24 chunks of 80
     assert planner.interleavings(presets["llama3-70b"], 1) == [1]
     model = planner.Model(12, 1024, 8, 1024, 1000)
-    found = planner.configurations(model, planner.Settings(global_batch_tokens=64 * 1024),
+    found = planner.configurations(model, planner.Settings(
+            rate="flat", global_batch_tokens=64 * 1024),
                                    planner.Hardware(8))
     assert {c["chunks"] for c in found if c["pp"] == 2} > {1, 2, 4}
 
@@ -1200,7 +1244,7 @@ def test_an_fp8_dispatch_sends_what_goes_to_the_experts_in_one_byte():
                           expert_hidden=1024)
     hw = planner.Hardware(64)
     config = layout(dp=64, tp=1, pp=1, ep=8, microbatches=8)
-    runs = {b: planner.step_time(model, config, planner.Settings(
+    runs = {b: planner.step_time(model, config, planner.Settings(rate="flat",
         global_batch_tokens=2 ** 20, dispatch_bytes=b), hw)["ep"] for b in (1, 2)}
     one, two = (planner.dispatch_collective_time(model, 2048, 8, 1, hw, b) for b in (1, 2))
     assert runs[2] == pytest.approx(4 * two * 8 * 8)

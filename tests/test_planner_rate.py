@@ -92,14 +92,15 @@ def test_the_shape_rate_costs_at_least_the_flat_one_and_tends_to_it():
     hw = planner.Hardware(gpus=32, **a100)
     layout = {"dp": 32, "tp": 1, "pp": 1, "cp": 1, "ep": 1, "chunks": 1, "micro_batch": 4,
               "microbatches": 4, "zero": "ddp", "recompute": "full"}
-    flat = planner.Settings(global_batch_tokens=512 * 2048, flash_attention=False)
+    flat = planner.Settings(global_batch_tokens=512 * 2048, flash_attention=False,
+                            rate="flat")
     shape = dataclasses.replace(flat, rate="shape")
     a, b = (planner.step_time(gpt, layout, s, hw) for s in (flat, shape))
     assert b["compute"] > a["compute"] and b["recompute"] > a["recompute"]
     wide = planner.Model(8, 65536, 512, 2048, 65536, tied=True)
     hw8 = planner.Hardware(gpus=8, **a100)
     layout8 = {**layout, "dp": 1, "tp": 8, "micro_batch": 8, "microbatches": 1}
-    settings = planner.Settings(global_batch_tokens=8 * 2048)
+    settings = planner.Settings(global_batch_tokens=8 * 2048, rate="flat")
     a, b = (planner.step_time(wide, layout8, s, hw8)
             for s in (settings, dataclasses.replace(settings, rate="shape")))
     assert a["compute"] < b["compute"] < 1.05 * a["compute"]
@@ -130,7 +131,8 @@ PUBLISHED = {
                      dict(MEGATRON_2021, zero=("zero1",)), dict(tp=2, pp=4), None),
 }
 KEYS = ("dp", "tp", "pp", "cp", "ep", "etp", "chunks", "micro_batch", "zero", "recompute")
-# What the planner gave for them before Settings.rate and chunk_price existed: the three
+# What the planner gave for them before Settings.rate and chunk_price existed, and gives
+# with rate="flat" and no chunk price: the three
 # fastest configurations (KEYS, step seconds), how many fit, and the published layout's
 # rank and step seconds
 BEFORE = {
@@ -167,8 +169,8 @@ def planned(name, **changes):
 
 
 @pytest.mark.parametrize("name", BEFORE)
-def test_the_defaults_give_the_plans_they_gave_before(name):
-    found, mine = planned(name)
+def test_the_flat_rate_gives_the_plans_it_gave_before(name):
+    found, mine = planned(name, rate="flat", chunk_price=False)
     top, count, rank, step = BEFORE[name]
     assert [([c[k] for k in KEYS], c["time_s"]["step"]) for c in found[:3]] == \
         [(keys, pytest.approx(s, rel=1e-12)) for keys, s in top]
@@ -180,7 +182,7 @@ def test_under_the_shape_rate_a_pipeline_takes_larger_micro_batches():
     """Narayanan et al. (2021, section 3.4): a larger micro-batch runs each product faster,
     against a longer fill and drain. At one rate for every FLOP only the bubble counts, and
     GPT 145.6B's fastest layout takes one sequence a micro-batch; priced by shape, more."""
-    flat, _ = planned("GPT 145.6B")
+    flat, _ = planned("GPT 145.6B", rate="flat")
     shape, mine = planned("GPT 145.6B", rate="shape")
     assert flat[0]["pp"] > 1 and flat[0]["micro_batch"] == 1
     assert shape[0]["pp"] > 1 and shape[0]["micro_batch"] > 1
@@ -217,16 +219,17 @@ def test_each_chunk_pays_its_sends_latency_even_overlapped():
 def test_the_command_line_takes_the_rate_and_the_chunk_price(capsys):
     argv = ["--params", "350M", "--gpus", "4", "--top", "1"]
     plain = plan.settings_from_args(plan.parse_args(argv))
-    assert (plain.rate, plain.chunk_price) == ("flat", False)
-    priced = plan.settings_from_args(plan.parse_args([*argv, "--rate", "shape",
+    assert (plain.rate, plain.chunk_price) == (planner.Settings.rate, False) == ("shape", False)
+    priced = plan.settings_from_args(plan.parse_args([*argv, "--rate", "flat",
                                                       "--chunk-price"]))
-    assert priced == dataclasses.replace(plain, rate="shape", chunk_price=True)
-    plan.main([*argv, "--rate", "shape", "--json"])
+    assert priced == dataclasses.replace(plain, rate="flat", chunk_price=True)
+    plan.main([*argv, "--json"])
     out = json.loads(capsys.readouterr().out)
     assert out["settings"]["rate"] == "shape"
     best = out["configurations"][0]
     model = plan.parse_args(argv).model_shape
-    flat = planner.evaluate(model, {k: best[k] for k in (*KEYS, "microbatches")}, plain,
+    flat = planner.evaluate(model, {k: best[k] for k in (*KEYS, "microbatches")},
+                            dataclasses.replace(plain, rate="flat"),
                             plan.hardware_from_args(plan.parse_args(argv)))
     assert best["time_s"]["step"] > flat["time_s"]["step"]
     with pytest.raises(SystemExit):

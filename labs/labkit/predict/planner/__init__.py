@@ -11,7 +11,10 @@ meshes, tp innermost, pp outermost: [pp, dp, cp, tp]):
   dp  data parallelism, with ZeRO 0-3 over the dp x cp ranks that hold the same weights
       (the gradients of cp ranks are reduced together, as Megatron-Core and torchtitan do)
   pp  pipeline stages, 1F1B or interleaved with v chunks per rank, any m >= 1; or
-      DualPipe where a layout names it (dualpipe=1, as DeepSeek-V3 ran): never searched,
+      ZB-H1 over the v chunks where a layout names it (zb=1, torch's
+      ScheduleInterleavedZeroBubble), its bubble the walk of its order at the step's F, I and
+      W (time_model.zero_bubble_bubble_fraction, as the pipeline lab measures it); or
+      DualPipe where a layout names it (dualpipe=1, as DeepSeek-V3 ran): neither searched,
       its memory modelled (two stages per rank, ZeRO sharding over both copies'
       replicas), its bubble DeepSeek-V3's Table 2 gives, and the expert all-to-alls and
       pipeline sends hidden behind computation as far as it lasts, as DualPipe overlaps

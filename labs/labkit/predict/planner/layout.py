@@ -204,17 +204,18 @@ def stage_spans(cut, chunks=1):
 
 
 def parse_layout(text):
-    """'tp=8,pp=16,dp=128[,cp=..,ep=..,etp=..,v=..,dualpipe=1]' -> {dp, tp, pp, cp, ep,
-    etp[, chunks, dualpipe]}; etp is tp where not given (Megatron-Core's default)."""
+    """'tp=8,pp=16,dp=128[,cp=..,ep=..,etp=..,v=..,dualpipe=1|zb=1]' -> {dp, tp, pp, cp,
+    ep, etp[, chunks, dualpipe, zb]}; etp is tp where not given (Megatron-Core's default).
+    zb=1: ZB-H1 over the v chunks (torch's ScheduleInterleavedZeroBubble)."""
     names = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "etp": "etp",
-             "v": "chunks", "dualpipe": "dualpipe"}
+             "v": "chunks", "dualpipe": "dualpipe", "zb": "zb"}
     layout = {}
     for part in text.split(","):
         key, _, value = part.partition("=")
         key = key.strip()
         if key not in names or not value.strip().isdigit() or int(value) < 1:
             raise ValueError(f"not a layout: {text!r} "
-                             f"(tp=8,pp=16,dp=128[,cp=2,ep=8,etp=1,v=2,dualpipe=1], "
+                             f"(tp=8,pp=16,dp=128[,cp=2,ep=8,etp=1,v=2,dualpipe=1|zb=1], "
                              f"each a positive whole number)")
         layout[names[key]] = int(value)
     missing = {"dp", "tp", "pp"} - set(layout)

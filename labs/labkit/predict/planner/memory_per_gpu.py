@@ -92,7 +92,12 @@ def memory(model, layout, settings, hw):
     if layout.get("dualpipe"):                   # and as many again on rank pp - 1 - r
         replicas *= 2
     schedule = "interleaved" if v > 1 else "1f1b"
-    in_flight = memory_model.pipeline_peak_microbatches(schedule, pp, m, v)
+    if layout.get("zb"):
+        # ZB-H1's order, walked: a micro-batch past its I but not its W still counts whole,
+        # though it keeps only what W reads (an upper bound; Qi et al. 2024, Table 1)
+        in_flight = memory_model.zero_bubble_peak_microbatches("zb1p", pp, m, v)
+    else:
+        in_flight = memory_model.pipeline_peak_microbatches(schedule, pp, m, v)
     tokens = model.seq // cp * b                  # of one micro-batch, on this rank
     cut = chunk_split(model, pp, v, settings.flash_attention)
     footprints = stage_footprints(model, cut, tp, ep, replicas, zero, recompute,

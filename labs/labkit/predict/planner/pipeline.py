@@ -1,5 +1,5 @@
 """The pipeline in a step: the schedule's idle time on the slowest stage (1F1B, interleaved,
-or DualPipe's), and the activations and gradients sent between stages."""
+ZB-H1 over v chunks, or DualPipe's), and the activations and gradients sent between stages."""
 
 from .. import time_model
 from .layout import stage_imbalance
@@ -16,27 +16,37 @@ def sends_overlapped(settings, chunks):
 
 
 def bubble_seconds(model, cut, pp, microbatches, chunks, work, forward, flash, dualpipe=False,
-                   communication=0.0):
+                   communication=0.0, zero_bubble=False):
     """The pipeline's idle time in a step of `work` seconds of computation a rank
-    (`forward` of them the forward's). The pipeline waits for its slowest stage (the
-    embedding's and the head's work sit on the first and last), and idles in the
-    schedule's fill and drain, whose slots each last a micro-batch's computation and its
-    exposed `communication` (tensor-, context- and expert-parallel collectives and the
-    pipeline's own sends, a step's of each; Narayanan et al., 2021, section 2.2: the
-    bubble is (p - 1)/(v m) of the time the m micro-batches take). Interleaved, the fill
-    and drain wait on the other ranks' first chunks: a rank's time over v stands in for
-    them, exact when the chunks hold the same layers. DualPipe's is its report's Table 2,
-    in units of the computation alone."""
+    (`forward` of them the forward's).
+    The pipeline waits for its slowest stage (the embedding's and the head's work sit on the
+    first and last), and idles in the schedule's fill and drain, whose slots each last a
+    micro-batch's computation and its exposed `communication` (tensor-, context- and
+    expert-parallel collectives and the pipeline's own sends, a step's of each; Narayanan et
+    al., 2021, section 2.2: the bubble is (p - 1)/(v m) of the time the m micro-batches
+    take). Interleaved, the fill and drain wait on the other ranks' first chunks: a rank's
+    time over v stands in for them, exact when the chunks hold the same layers. The
+    schedules that split the backward are priced by the time model's own functions, as the
+    pipeline lab measures them: DualPipe by DeepSeek-V3's Table 2 (published_bubble_s,
+    DualPipeV's count over pp/2 ranks), in units of the computation alone; ZB-H1 over v
+    chunks (`zero_bubble`, torch's ScheduleInterleavedZeroBubble) by the walk of its order
+    (zero_bubble_bubble_fraction) at this step's F, I and W. For both, W, the weights'
+    gradients, lasts as long as the forward (a linear layer's backward is two products of
+    its forward's one, the input's and the weights'), and I the rest of the backward, any
+    recomputation in it."""
     slowest = work * stage_imbalance(model, cut, flash, chunks)
+    backward = work - forward                  # the whole backward, any recomputation in it
+    weights = forward
     if dualpipe:
-        # DeepSeek-V3's Table 2: (pp/2 - 1)(F&B + B - 3W) per micro-batch, F&B the
-        # overlapped forward and backward (F + B when compute-bound), B the backward with
-        # any recomputed forward, W the weights' gradients, half the backward proper (= F):
-        # 2B - 2F, two thirds of a micro-batch's work without recomputation
-        b_time = work - forward
-        return slowest - work + (pp / 2 - 1) * (2 * b_time - 2 * forward) / work * slowest \
-            / microbatches
-    fraction = time_model.pipeline_bubble_fraction(pp, microbatches, chunks)
+        # F&B the overlapped forward and backward (F + B when compute-bound)
+        idle = time_model.published_bubble_s("dualpipev", pp // 2, forward,
+                                             backward - weights, weights, overlapped_s=work)
+        return slowest - work + idle / work * slowest / microbatches
+    if zero_bubble:
+        fraction = time_model.zero_bubble_bubble_fraction(
+            "zb1p", pp, microbatches, forward, backward - weights, weights, chunks)
+    else:
+        fraction = time_model.pipeline_bubble_fraction(pp, microbatches, chunks)
     return (slowest + communication) / (1 - fraction) - work - communication
 
 

@@ -43,6 +43,12 @@ def why_not(model, layout, settings, hw):
     if model.experts and (model.experts % ep or (tp * cp * dp) % (ep * etp)):
         return (f"ep {ep} must divide the {model.experts} experts, and ep x etp = {ep * etp} "
                 f"the tp x cp x dp = {tp * cp * dp} ranks of a stage")
+    if layout.get("zb") and layout.get("dualpipe"):
+        return "a layout runs one schedule: zb=1 or dualpipe=1, not both"
+    if layout.get("zb") and "microbatches" in layout and layout["microbatches"] % pp:
+        # torch's ScheduleInterleavedZeroBubble runs rounds of p micro-batches
+        return (f"ZB-H1 here needs the micro-batches ({layout['microbatches']}) a multiple "
+                f"of pp {pp}")
     if layout.get("dualpipe") and (pp % 2 or v > 1):
         return f"DualPipe needs an even pp and one chunk per stage, got pp {pp}, v {v}"
     if layout.get("dualpipe") and "microbatches" in layout and (

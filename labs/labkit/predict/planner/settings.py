@@ -137,7 +137,7 @@ class Settings(HashedOnce):
     # the GPU's measured matmul ceiling or at HBM bandwidth, unfused attention's likewise, a
     # fused attention at Settings.mfu, norms, activations, an unfused softmax and the
     # optimizer's step at HBM bandwidth)
-    rate: str = "flat"
+    rate: str = "shape"
     # a price for each interleaved chunk (pipeline.chunk_exposed_seconds): each of a
     # step's m x v x 2 sends waits its latency even where the sends overlap the
     # computation, and a send longer than the chunk's computation it overlaps waits for the

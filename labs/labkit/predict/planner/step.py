@@ -92,7 +92,8 @@ def step_time(model, layout, settings, hw):
     # the fill and drain wait for each micro-batch's computation and its exposed traffic,
     # the pipeline's sends included, overlapped or not
     bubble = bubble_seconds(model, cut, pp, m, v, work, forward, settings.flash_attention,
-                            dualpipe, tp_s + (0.0 if dualpipe else sends) + cp_s + ep_s)
+                            dualpipe, tp_s + (0.0 if dualpipe else sends) + cp_s + ep_s,
+                            zero_bubble=bool(layout.get("zb")))
     # the optimizer's step runs once, after the last micro-batch: outside the bubble's slots
     result = {"compute": compute + optimizer, "recompute": extra, "bubble": bubble,
               "tp": tp_s, "pp": pp_s, "dp": dp_exposed, "cp": cp_s, "ep": ep_s}
