@@ -69,7 +69,7 @@ def test_the_predictions_import_no_torch():
 # the search at the top): no cycles, and a file's dependencies read from this list
 PLANNER_FILES = ("shapes", "settings", "presets", "layout", "collectives", "tensor_parallel",
                  "data_parallel", "pipeline", "context_parallel", "expert_parallel",
-                 "memory_per_gpu", "step", "search")
+                 "memory_per_gpu", "compute", "step", "search")
 
 
 def test_the_planners_files_import_one_way():

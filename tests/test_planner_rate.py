@@ -1,5 +1,5 @@
 """The planner's computation priced by its shapes (Settings.rate "shape": time_model's
-tile- and wave-quantised matrix products under a roofline, step.shaped_compute) and a price
+tile- and wave-quantised matrix products under a roofline, compute.shaped_compute) and a price
 for each interleaved chunk's sends (Settings.chunk_price): each checked by hand, against
 its limits, and the defaults against the plans the planner gave before either existed."""
 

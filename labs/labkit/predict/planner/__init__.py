@@ -43,7 +43,7 @@ A layout fits when that fits the GPU's memory less the CUDA context's and NCCL's
 Time, per step: compute at a stated fraction of the peak (the layers' and the head's
 products, attention's as a kernel runs them, the embedding's lookup none), or with
 Settings.rate "shape" each linear product at its shape's rate under that fraction and the
-other kernels at HBM bandwidth (step.shaped_compute), the routed
+other kernels at HBM bandwidth (compute.shaped_compute), the routed
 experts' products at the slower of that and their HBM traffic (expert_matmul_slowdown);
 the pipeline's idle time (time_model.pipeline_bubble_fraction, m < p included), each slot
 a micro-batch's computation and exposed traffic; tensor-parallel collectives
@@ -80,6 +80,7 @@ The files, each importing only those above it (no cycles):
   tensor_parallel, data_parallel, pipeline, context_parallel, expert_parallel
                     each parallelism's term of a step
   memory_per_gpu    memory on the fullest GPU (memory)
+  compute           the computation's price by its shapes (shaped_compute, linear_rate)
   step              step_time, mfu
   search            why_not, configurations, plan, rank_layout
 Every name the planner's callers use is imported here, so `from labkit.predict import
@@ -109,7 +110,8 @@ from .context_parallel import CP_SCHEMES, context_parallel_seconds
 from .expert_parallel import dispatch_collective_time, dispatch_seconds, expert_matmul_slowdown
 from .memory_per_gpu import (memory, reserve_bytes, stage_activation_values, stage_footprints,
                              state_bytes, with_reserve)
-from .step import (ADAM_BYTES, elementwise_bytes_per_token, linear_rate, mfu, optimizer_seconds,
-                   shaped_compute, step_time, unfused_attention_rate)
+from .compute import (ADAM_BYTES, elementwise_bytes_per_token, linear_rate, optimizer_seconds,
+                      shaped_compute, unfused_attention_rate)
+from .step import mfu, step_time
 from .search import (MICRO_BATCH_SIZES, cheapest_recompute, configurations,
                      degree_options, evaluate, plan, rank_layout, settings_for, why_not)
