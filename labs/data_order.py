@@ -28,9 +28,9 @@ Launch lines (from the repository root):
 
 JSON: `designs` {name: {bit_identical_resume (at an unchanged size), skipped_samples and
 repeated_samples (totals over the resizes), resizes: [{from, to, skipped_samples,
-repeated_samples, bit_identical_resume (null when the size changed), and for
-distributed_sampler and global_order predicted_skipped_samples and
-predicted_repeated_samples (fault_tolerance_model.sampler_resume_error; 0)}]}},
+repeated_samples, bit_identical_resume (null when the size changed),
+predicted_skipped_samples and predicted_repeated_samples (fault_tolerance_model's
+sampler_resume_error, stateful_resume_error; 0 for the global order)}]}},
 `dataset`, `batch`, `save_at`, `workers`.
 """
 
@@ -55,6 +55,10 @@ WORKERS = 2                            # the stateful loader's worker processes
 # runner's forkserver would start each worker as a fresh interpreter); elsewhere the default
 WORKER_START = "fork" if sys.platform == "linux" else None
 DESIGNS = ("distributed_sampler", "stateful_dataloader", "global_order")
+# (skipped, repeated) of a resize, by the cost model: what each design's rule implies
+PREDICTIONS = {"distributed_sampler": ftm.sampler_resume_error,
+               "stateful_dataloader": ftm.stateful_resume_error,
+               "global_order": lambda *sizes: (0, 0)}
 # torchdata 0.11 calls a torch function that torch 2.13 deprecates: its warning, not the lab's
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 
@@ -173,13 +177,11 @@ def run(args, env):
     with torch.device("cpu"):   # the data order lives on the host, wherever training runs
         for design in args.designs:
             resizes = [resume(design, dataset, a, b, args.seed, env) for a, b in args.resizes]
-            for resize in resizes:   # the two designs with a prediction: the closed form, 0
-                if design != "stateful_dataloader":
-                    skipped, repeated = (ftm.sampler_resume_error(
-                        DATASET, BATCH, SAVE_AT, resize["from"], resize["to"])
-                        if design == "distributed_sampler" else (0, 0))
-                    resize.update(predicted_skipped_samples=skipped,
-                                  predicted_repeated_samples=repeated)
+            for resize in resizes:   # each design's prediction, from positions alone
+                skipped, repeated = PREDICTIONS[design](DATASET, BATCH, SAVE_AT,
+                                                        resize["from"], resize["to"])
+                resize.update(predicted_skipped_samples=skipped,
+                              predicted_repeated_samples=repeated)
             same = [r["bit_identical_resume"] for r in resizes if r["from"] == r["to"]]
             designs[design] = {
                 "bit_identical_resume": all(same) if same else None,

@@ -44,20 +44,28 @@ Launch lines (from the repository root):
 
 JSON: `runs`, one per --state-mb: `state_bytes` (what a heal copies, counted exactly)
 beside `predicted_state_bytes`, `replica_groups_per_step` (the participants of each
-committed step), `killed_at_step`, `detect_s` (the death to the survivors' next quorum)
-and `detect_window_s` (fault_tolerance_model.detection_window), `steps_lost_by_survivors`
-(steps they committed twice), `attempts_discarded`, `heals` [{group, start, why: late or
-return, step, heal_s (its start to its first committed step), ready_s, copy_s beside
-predicted_copy_s, bytes, tensors}], `heals_died`, `healed_param_max_diff` (every group's
-final parameters against group 0's), `step_s`, `quorum_s`, and `data_while_out`
-{torchft_sampler, global_order: {skipped_samples, repeated_samples, shard_lag_samples}};
-the first run's `replica_groups_per_step` and `detect_s`, and the largest
-`steps_lost_by_survivors` and `healed_param_max_diff`, at the top; `heal_s` {state bytes:
-[seconds]}; `link` {latency_s, bandwidth_bytes_per_s} (the transport timed on its own,
-measure_link); `checkpoint_restart` {every, saved_steps, killed_at_step,
-resumed_from_step, steps_lost beside predicted_steps_lost, restart_s}; `import_s`;
-`timeouts`; `rules_broken` (fault_tolerance_model.timeout_rules). With --group, one
-group's own `attempts` and `heals` instead.
+committed step), `killed_at_step`, `detect_s` (the death to the survivors' next quorum) and
+`detect_window_s` (fault_tolerance_model.detection_window, with the rebuild measured),
+`asked_s` (the death to the last survivor's failed step in flight), `decision_s` (to the
+lighthouse's answer, when the survivors' rebuild began) beside `decision_window_s`
+(fault_tolerance_model.quorum_issued_s, from asked_s), `rebuild_s`, `step_spread_s`,
+`steps_lost_by_survivors` (steps they committed twice), `attempts_discarded` beside
+`predicted_attempts_discarded`, `heals` [{group, start, why: late or return, step, heal_s
+(its start to its first committed step), ready_s, copy_s beside predicted_copy_s, bytes,
+tensors}], `heals_died`, `healed_param_max_diff` (every group's final parameters against
+group 0's), `replay_param_max_diff` and `replay_fixed_param_max_diff` (group 0's final
+parameters against a one-process replay of the committed steps, averaged over the
+participants or over --groups), `step_s`, `quorum_s`, and `data_while_out` {global_order:
+{skipped_samples beside predicted_skipped_samples, repeated_samples}, torchft_sampler:
+{skipped_samples, repeated_samples, shard_lag_samples}}; the first run's
+`replica_groups_per_step` and `detect_s`, and the largest `steps_lost_by_survivors` and
+`healed_param_max_diff`, at the top; `heal_s` {state bytes: [seconds]}; `link` {latency_s,
+bandwidth_bytes_per_s} (the transport timed on its own, measure_link); `checkpoint_restart`
+{every, saved_steps, killed_at_step, resumed_from_step, steps_lost beside
+predicted_steps_lost, group_steps_lost (the steps trained again times the groups, and the
+others' step in flight), restart_s}; `import_s`; `timeouts`; `rules_broken`
+(fault_tolerance_model.timeout_rules). With --group, one group's own `attempts` and `heals`
+instead.
 """
 
 import time
@@ -114,7 +122,8 @@ STEPS_AFTER_RETURN = 4             # the job ends this long after the returned g
 # torchft's timeouts, short: everything runs on one machine (their defaults in brackets)
 HEARTBEAT_INTERVAL_MS = 100        # a group's beat to the lighthouse [100 ms]
 HEARTBEAT_TIMEOUT_MS = 1000        # no beat for this long: the group is dead [5 s]
-JOIN_TIMEOUT_MS = 200              # how long a quorum waits for stragglers [60 s]
+JOIN_TIMEOUT_MS = 600              # how long a quorum waits for stragglers [60 s]: above a
+                                   # step with a heal's copy, which delays the sender's step
 QUORUM_TICK_MS = 10                # how often the lighthouse decides [100 ms]
 COLLECTIVE_TIMEOUT_S = 5           # all-reduce, should_commit, a heal's copy [60 s]
 QUORUM_TIMEOUT_S = 10              # a group waiting for a quorum [60 s]
@@ -183,6 +192,21 @@ class TimedTransport(PGTransport):
         return state
 
 
+def timed_process_group(backend, timeout, emit):
+    """torchft's process group for `backend`, timing each rebuild (configure, at every new
+    quorum id): when it began, right after the lighthouse's answer came back, and how long
+    the new communicators took."""
+    base = ProcessGroupNCCL if backend == "nccl" else ProcessGroupGloo
+
+    class TimedRebuild(base):
+        def configure(self, *args, **kwargs):
+            started = time.monotonic()
+            super().configure(*args, **kwargs)
+            emit("configured", started=started, seconds=time.monotonic() - started)
+
+    return TimedRebuild(timeout=timeout)
+
+
 def reason(error):
     """The words of a torchft error that say why, without its Rust side's wrapping."""
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -201,8 +225,12 @@ def sample_batch(shape, ids, seed, device):
 def train_group(args, spec, env, end, emit, store_addr, store_port, folder):
     """One replica group's training loop, one rank, until step end[0]."""
     shape = shape_from_args(args)
-    # every start draws weights of its own: only a heal makes them the job's
-    torch.manual_seed(distenv.derived_seed(args.seed, "init", spec.group, spec.start))
+    # the groups that start the job draw the same weights from its seed (init_sync=False:
+    # torchft's step-0 sync would zero one group's first gradient yet count it in the
+    # average); a group started later draws its own, and only a heal makes them the job's
+    first = spec.start == 0 and spec.group != args.late_group
+    torch.manual_seed(distenv.derived_seed(args.seed, "init", *(() if first else (
+        spec.group, spec.start))))
     model = Transformer(shape, device=env.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE, momentum=MOMENTUM)
     held = {"payload": torch.zeros(args.payload_bytes // 4, device=env.device),
@@ -218,7 +246,7 @@ def train_group(args, spec, env, end, emit, store_addr, store_port, folder):
         held.update(data=dict(saved["data"]), payload=saved["payload"].to(env.device))
 
     timeout = datetime.timedelta(seconds=args.collective_timeout)
-    pg = (ProcessGroupNCCL if env.backend == "nccl" else ProcessGroupGloo)(timeout=timeout)
+    pg = timed_process_group(env.backend, timeout, emit)
     try:
         manager = Manager(
             pg=pg, min_replica_size=1, load_state_dict=load, state_dict=state,
@@ -226,7 +254,7 @@ def train_group(args, spec, env, end, emit, store_addr, store_port, folder):
             quorum_timeout=datetime.timedelta(seconds=args.quorum_timeout),
             connect_timeout=datetime.timedelta(seconds=args.connect_timeout),
             store_addr=store_addr, store_port=store_port, rank=0, world_size=1,
-            lighthouse_addr=args.lighthouse, hostname=args.hostname,
+            lighthouse_addr=args.lighthouse, hostname=args.hostname, init_sync=False,
             heartbeat_interval=datetime.timedelta(milliseconds=args.heartbeat_interval_ms),
             checkpoint_transport=TimedTransport(pg, timeout, env.device, emit, spec.die_in_heal))
     except RuntimeError as error:
@@ -259,6 +287,7 @@ def train_group(args, spec, env, end, emit, store_addr, store_port, folder):
                            f"{args.quorum_timeout:g} s ({reason(error)})") from None
         quorum_t = time.monotonic()
         rank, participants = manager.participating_rank(), manager.num_participants()
+        contributes = manager.is_participating()   # a healing group's gradient is zeroed
         # participant i of n trains the next batch of the global order after i batches; a
         # group being healed trains nothing this step (its gradient is zeroed)
         first, _ = ftm.participant_positions(held["data"]["position"], rank or 0,
@@ -278,13 +307,19 @@ def train_group(args, spec, env, end, emit, store_addr, store_port, folder):
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
         committed = manager.should_commit()
+        if committed and step == 0 and (spec.group, spec.start, spec.policy) == (0, 0, "live"):
+            # the job's first weights, where the replay starts
+            path = Path(folder) / "initial.pt"
+            torch.save(torch.cat([p.detach().flatten() for p in model.parameters()]).cpu(), path)
+            emit("initial", params=str(path))
         if committed:
             optimizer.step()
             held["data"]["position"] += participants * BATCH
             full_job = participants == args.groups   # the kill waits for a step of all
         emit("attempt", step=step, participants=participants, rank=rank, committed=committed,
              t=started, quorum_t=quorum_t, end_t=time.monotonic(),
-             ids=ids if rank is not None else [], sampler_ids=sampler_ids)
+             contributes=contributes, ids=ids if contributes else [],
+             sampler_ids=sampler_ids)
         if committed and spec.policy == "restart" and spec.group == 0 and (
                 manager.current_step() % args.every == 0):
             path = Path(folder) / "checkpoint.pt"
@@ -544,6 +579,45 @@ def committed_steps(events):
             if e["kind"] == "attempt" and e["committed"]}
 
 
+def replay(args, events, initial_path, divide_by=None):
+    """The committed steps trained again in this one process, from what the groups
+    recorded: each step's participants and their batches, the gradients summed and divided
+    by the participants (torchft's DYNAMIC mode) or by `divide_by` groups, SGD with
+    momentum from the job's first weights. The parameters it ends on."""
+    shape = shape_from_args(args)
+    model = Transformer(shape, device=torch.device("cpu"))
+    torch.nn.utils.vector_to_parameters(torch.load(initial_path), model.parameters())
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE, momentum=MOMENTUM)
+    steps = {}
+    for e in events:
+        if e["kind"] == "attempt" and e["committed"] and e["contributes"]:
+            steps.setdefault(e["step"], (e["participants"], {}))[1][e["rank"]] = e["ids"]
+    for step in sorted(steps):
+        participants, batches = steps[step]
+        total = 0
+        for rank in sorted(batches):
+            model.zero_grad()
+            inputs, targets = sample_batch(shape, batches[rank], args.seed, torch.device("cpu"))
+            next_token_loss(model(inputs), targets).backward()
+            total = total + torch.cat([p.grad.flatten() for p in model.parameters()])
+        torch.nn.utils.vector_to_parameters(total / (divide_by or participants),
+                                            [p.grad for p in model.parameters()])
+        optimizer.step()
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def replay_diffs(args, events):
+    """Group 0's final parameters against the replays, averaged over the participants and
+    over every group. Run once every group has been forked: a fork after this process has
+    computed in torch's thread pool can hang in the pool's lock."""
+    final = torch.load(next(e["params"] for e in events if e["kind"] == "done"
+                            and e["group"] == 0))
+    initial = next(e["params"] for e in events if e["kind"] == "initial")
+    return {name: (replay(args, events, initial, divide_by) - final).abs().max().item()
+            for name, divide_by in (("replay_param_max_diff", None),
+                                    ("replay_fixed_param_max_diff", args.groups))}
+
+
 def summarize_live(args, events, starts, link):
     """A live run's measurements, from its groups' events, beside their predictions."""
     attempts = [e for e in events if e["kind"] == "attempt"]
@@ -554,6 +628,17 @@ def summarize_live(args, events, starts, link):
     mine = {k: [e for e in attempts if (e["group"], e["start"]) == k] for k in survivors}
     detect = next(e for e in attempts if (e["group"], e["start"]) in survivors
                   and e["committed"] and e["t"] > death["t"])
+    # the survivors' first rebuild after the death: it began when the lighthouse's answer
+    # came back (the decision), and took the new communicators' time (the rebuild)
+    rebuild = [min((e for e in events if e["kind"] == "configured"
+                    and (e["group"], e["start"]) == key and e["started"] > death["t"]),
+                   key=lambda e: e["started"]) for key in survivors]
+    decided_t = min(e["started"] for e in rebuild)
+    rebuild_s = max(e["t"] for e in rebuild) - decided_t
+    # when the last survivor asked for that quorum: its step in flight had failed
+    asked_t = max(min((e["end_t"] for e in mine[key] if not e["committed"]
+                       and e["t"] < death["t"] < e["end_t"]), default=death["t"])
+                  for key in survivors)
     heals = []
     for e in events:
         if e["kind"] != "healed" or e["step"] == 0:   # step 0: torchft's first sync
@@ -576,20 +661,30 @@ def summarize_live(args, events, starts, link):
     # the data: what the committed steps trained, by the global order and by the sampler
     trained = [i for e in attempts if e["committed"] for i in e["ids"]]
     positions = sum(steps.values()) * BATCH
-    by_sampler = [i for e in attempts if e["committed"] and e["rank"] is not None
+    by_sampler = [i for e in attempts if e["committed"] and e["contributes"]
                   for i in e["sampler_ids"]]
     drawn = {i for e in events if e["kind"] in ("attempt", "die") for i in e.get("sampler_ids", [])}
-    shards = [len({i for e in attempts if e["committed"] and e["rank"] is not None
+    shards = [len({i for e in attempts if e["committed"] and e["contributes"]
                    and e["group"] == g for i in e["sampler_ids"]}) for g in range(args.groups)]
+    # a participant torchft counts while it heals moves the position by its batch and
+    # trains nothing: the one way the global order skips (a group healing at the
+    # quorum's highest step; torchft's own step-0 sync is one, which the lab turns off)
+    zeroed = sum(1 for e in attempts if e["committed"] and e["rank"] is not None
+                 and not e["contributes"])
     data = {"global_order": dict(zip(("skipped_samples", "repeated_samples"),
                                      ftm.skipped_and_repeated(trained, ftm.global_order(
                                          args.seed, DATASET, 0, positions))),
-                                 shard_lag_samples=0),
+                                 predicted_skipped_samples=zeroed * BATCH),
             "torchft_sampler": dict(zip(("skipped_samples", "repeated_samples"),
                                         ftm.skipped_and_repeated(by_sampler, drawn)),
                                     shard_lag_samples=max(shards) - min(shards))}
     steady = [e for e in attempts if e["committed"] and e["participants"] == args.groups]
     step_s = statistics.median(e["end_t"] - e["t"] for e in steady)
+    window = dict(zip(("join_timeout_s", "heartbeat_timeout_s", "heartbeat_interval_s",
+                       "tick_s", "step_s", "min_replicas"),
+                      (args.join_timeout_ms / 1e3, args.heartbeat_timeout_ms / 1e3,
+                       args.heartbeat_interval_ms / 1e3, args.quorum_tick_ms / 1e3, step_s,
+                       args.min_replicas)))
     shape = shape_from_args(args)
     parameters = memory_model.transformer_params(shape.layers, shape.hidden, shape.vocab,
                                                  shape.seq)
@@ -598,18 +693,29 @@ def summarize_live(args, events, starts, link):
             # SGD with momentum: one buffer per parameter, and the payload
             "predicted_state_bytes": ftm.state_bytes(parameters, 1,
                                                      other_bytes=args.payload_bytes),
+            # the whole window, with the rebuild this run measured: from a step in flight
+            # that fails at once to one that waits the collective timeout
             "detect_window_s": ftm.detection_window(
-                args.groups - 1, args.join_timeout_ms / 1e3, args.heartbeat_timeout_ms / 1e3,
-                args.heartbeat_interval_ms / 1e3, args.quorum_tick_ms / 1e3, step_s,
-                args.min_replicas),
+                args.groups - 1, **window, collective_timeout_s=args.collective_timeout,
+                rebuild_s=rebuild_s),
+            "asked_s": asked_t - death["t"],
+            # the lighthouse's decision, once the last survivor had asked
+            "decision_window_s": ftm.quorum_issued_s(
+                asked_t - death["t"], args.groups - 1, *(window[k] for k in (
+                    "join_timeout_s", "heartbeat_timeout_s", "heartbeat_interval_s"))),
             "predicted_steps_lost_by_survivors": 0, "predicted_healed_param_max_diff": 0.0,
             "replica_groups_per_step": [steps[s] for s in sorted(steps)],
             "killed_at_step": death["step"],
             "detect_s": detect["quorum_t"] - death["t"],
+            "decision_s": decided_t - death["t"], "rebuild_s": rebuild_s,
+            "step_spread_s": max(e["end_t"] - e["t"] for e in steady)
+            - min(e["end_t"] - e["t"] for e in steady),
             "steps_lost_by_survivors": max(
                 sum(e["committed"] for e in a) - len({e["step"] for e in a if e["committed"]})
                 for a in mine.values()),
             "attempts_discarded": sum(not e["committed"] for a in mine.values() for e in a),
+            # the step in flight, on every survivor (its own start killed in its heal aside)
+            "predicted_attempts_discarded": len(survivors),
             "heals": heals,
             "heals_died": sum(e["kind"] == "die" and "during" in e for e in events),
             "healed_param_max_diff": diff,
@@ -627,6 +733,9 @@ def summarize_restart(args, events):
     return {"every": args.every, "saved_steps": [e["step"] for e in events if e["kind"] == "saved"],
             "killed_at_step": death["step"], "resumed_from_step": min(resumed),
             "steps_lost": death["step"] - min(resumed),
+            # the work thrown away, in steps of one group: every group's steps since the
+            # save, and the step in flight of the others, which the restart stops mid-step
+            "group_steps_lost": (death["step"] - min(resumed)) * args.groups + args.groups - 1,
             "predicted_steps_lost": death["step"] % args.every,
             "restart_s": first - death["t"]}
 
@@ -648,13 +757,15 @@ def orchestrate(args):
             run_folder.mkdir()
             events, starts = live_run(args, run_folder)
             runs.append(summarize_live(args, events, starts, link))
-            runs[-1]["payload_mb"] = mb
+            runs[-1].update(payload_mb=mb, events=events)
         restart = None
         if args.checkpoint_restart:
             args.payload_bytes = int(args.state_mb[0] * 1e6) // 4 * 4
             run_folder = Path(folder) / "restart"
             run_folder.mkdir()
             restart = summarize_restart(args, restart_run(args, run_folder)[0])
+        for run in runs:   # the last forks are done
+            run.update(replay_diffs(args, run.pop("events")))
     heal_s = {}
     for run in runs:
         for heal in run["heals"]:

@@ -1,8 +1,8 @@
 """The data-order lab: what the chapter does not run. The chapter resumes 3 -> 3, 4 -> 3
 and 2 -> 3 in one process and asserts its counts and its bit-identical resumes in hidden
-cells; here other sizes, odd ones among them (6 -> 5, 1 -> 3), against the closed form of
-DistributedSampler's error, the same counts with the ranks shared out over two processes,
-and the refusals."""
+cells; here other sizes, odd ones among them (6 -> 5, 1 -> 3), against the closed forms of
+DistributedSampler's and StatefulDataLoader's errors, the same counts with the ranks shared
+out over two processes, and the refusals."""
 
 import pytest
 
@@ -23,7 +23,7 @@ def test_each_design_against_its_prediction(alone):
     assert_lab_metadata(alone, "data_order")
     designs = alone["designs"]
     assert set(designs) == set(data_order.DESIGNS)
-    for design in ("distributed_sampler", "global_order"):
+    for design in data_order.DESIGNS:
         for resize in designs[design]["resizes"]:
             assert (resize["skipped_samples"], resize["repeated_samples"]) == (
                 resize["predicted_skipped_samples"], resize["predicted_repeated_samples"])
@@ -36,9 +36,14 @@ def test_each_design_against_its_prediction(alone):
     # the global order: nothing skipped or repeated, whatever the sizes
     assert designs["global_order"]["skipped_samples"] == 0
     assert designs["global_order"]["repeated_samples"] == 0
-    # the stateful loader loses samples whenever the size changes
+    # the stateful loader: shrinking, DistributedSampler's error; growing, the new ranks
+    # start the epoch over while the others skip what nobody trains
     stateful = designs["stateful_dataloader"]["resizes"]
-    assert all(r["skipped_samples"] + r["repeated_samples"] > 0 for r in stateful)
+    assert [(r["skipped_samples"], r["repeated_samples"]) for r in stateful] == [(0, 20), (13, 13)]
+    for resize in stateful:
+        assert (resize["predicted_skipped_samples"], resize["predicted_repeated_samples"]) == \
+            ftm.stateful_resume_error(data_order.DATASET, data_order.BATCH, data_order.SAVE_AT,
+                                      resize["from"], resize["to"])
     for design in designs.values():   # no size unchanged: nothing to compare bit for bit
         assert design["bit_identical_resume"] is None
         assert [r["bit_identical_resume"] for r in design["resizes"]] == [None, None]
