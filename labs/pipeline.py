@@ -402,7 +402,7 @@ def run(args, env):
     handoffs = handoff_samples(env.rank, env.world_size,
                                (batch // args.microbatches[0], shape.seq, shape.hidden),
                                env.device, HANDOFF_ROUNDS, (args.compute_ms or 0) / 1e3,
-                               timeout_s=args.p2p_timeout)
+                               timeout_s=args.timeout)   # the ranks' first exchange
     for index, m in enumerate(args.microbatches):
         args.batch = m * args.microbatch_size if args.microbatch_size else args.batch
         expected = reference(shape, args.batch, args, env.device)
