@@ -43,7 +43,8 @@ Launch lines (from the repository root):
   a trace per rank:      torchrun --standalone --nproc_per_node=2 labs/scaling.py \\
                            --strategy ddp --profile prof/
                          python labs/trace.py analyze prof/*.json
-  a straggler made on purpose: ... --profile prof/ --slow-rank 1 --slow-ms 30
+  and a straggler made on purpose: ... --profile prof/ --slow-rank 1 --slow-ms 30
+                         (each profiled strategy once more, rank 1 late: prof/*-slow-rank*.json)
   two nodes (run on each, HOST = node 0's address):
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
              --rdzv-id=scaling labs/scaling.py --strategy ddp --scaling weak --out s16.json
@@ -56,7 +57,8 @@ sequences of the model, on one rank), and `runs`, one per (strategy, scaling):
 step_time_quartiles_s, samples_per_s, compute_time_s (and forward_, backward_,
 optimizer_time_s), plain_step_time_s, comm_time_s, predicted_step_time_s,
 predicted_comm_time_s, model_overlap, collectives [{op, bytes}], batch_per_rank,
-global_batch, profile (rank 0's trace with --profile, else null)}]; sub_worlds
+global_batch, profile (rank 0's trace with --profile, else null), profile_slow (with
+--slow-rank, rank 0's trace of the same steps with that rank late, else null)}]; sub_worlds
 [{world_size, alpha_s, beta_bytes_per_s, link_fit_error, runs}], one per --sub-worlds size,
 largest first.
 """
@@ -180,14 +182,18 @@ def measure(strategy, scaling, args, env, link, group=None):
                           group)
              for _ in range(args.warmup + args.steps)][args.warmup:]
     median, low, high = timing.summary(steps)
-    trace = None
+    trace = slow_trace = None
     if args.profile:   # extra steps, untimed: see labkit.runtime.profiling
-        def profiled_step():
-            if rank == args.slow_rank:   # a straggler on purpose: late to every step
+        def profiled_step(late_rank=None):
+            if rank == late_rank:   # a straggler on purpose: late to every step
                 time.sleep(args.slow_ms / 1e3)
             train_step(wrapped, optimizer, ids, targets)
-        trace = str(profiling.profile_steps(
-            args.profile, f"{strategy}-{scaling}-n{n}", env.device, profiled_step))
+        name = f"{strategy}-{scaling}-n{n}"
+        trace = str(profiling.profile_steps(args.profile, name, env.device, profiled_step))
+        if args.slow_rank is not None:   # the same steps again, one rank late to each
+            slow_trace = str(profiling.profile_steps(
+                args.profile, f"{name}-slow", env.device,
+                lambda: profiled_step(args.slow_rank)))
     env.progress(f"{strategy}, {scaling}: compute alone")
     # 2. its parts alone: compute without communication, communication without compute
     compute = timing.compute_times(plain, torch.optim.SGD(plain.parameters(), lr=LEARNING_RATE),
@@ -225,6 +231,7 @@ def measure(strategy, scaling, args, env, link, group=None):
         "model_overlap": overlap,
         "collectives": [{"op": op, "bytes": b} for op, b in plan],
         "profile": trace,
+        "profile_slow": slow_trace,
     }
 
 
@@ -258,8 +265,9 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=distenv.positive_int, default=STEPS, help="timed steps")
     profiling.add_profile_arg(parser)
     parser.add_argument("--slow-rank", type=int, default=None, metavar="R",
-                        help="with --profile: rank R starts each profiled step --slow-ms late "
-                             "(a straggler made on purpose, for labs/trace.py to find)")
+                        help="with --profile: profile the steps once more, rank R starting "
+                             "each --slow-ms late (a straggler made on purpose, for "
+                             "labs/trace.py to find), into <name>-slow-rank<r>.json")
     parser.add_argument("--slow-ms", type=distenv.number_above(0, inclusive=True), default=0.0,
                         help="how late the --slow-rank starts each profiled step (ms)")
     parser.add_argument("--warmup", type=distenv.at_least(0), default=WARMUP,
