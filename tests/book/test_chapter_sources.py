@@ -130,3 +130,20 @@ def test_every_figure_is_numbered_captioned_and_described(name):
             assert figure.get("name") and figure.get("caption"), f"{where}: no name or caption"
             assert image.get("alt"), f"{where}: no alt text"
             assert "caption" not in image, f"{where}: the caption is the figure's, not the image's"
+
+
+GLUED = re.compile(r"""\bglue\(\s*["']([A-Za-z0-9_]+)["']""")   # a literal name (not an f-string)
+# where a page reads a glued name: a role {glue:text}`name:format`, a directive
+# {glue:md} name, or another page's name as `page.md::name`
+READ = re.compile(r"\{glue(?::\w+)?\}`(?:[^`]*::)?([A-Za-z0-9_]+)[^`]*`"
+                  r"|\{glue(?::\w+)?\}[ \t]+(?:\S*::)?([A-Za-z0-9_]+)")
+
+
+@pytest.mark.parametrize("name", PAGES)
+def test_every_glued_name_is_read_by_the_page(name):
+    # a value glued and never shown is a computation the reader cannot check, kept alive
+    # by nothing: a leftover of text that changed
+    text = (REPO / "book" / f"{name}.md").read_text()
+    glued = {glued for _, _, source in code_cells(text) for glued in GLUED.findall(source)}
+    read = {a or b for a, b in READ.findall(text)}
+    assert not glued - read, f"book/{name}.md glues names no text reads: {sorted(glued - read)}"
