@@ -58,12 +58,13 @@ else
 	$(PYTHON) -m venv $(VENV)
 endif
 
-# pip first, at a pinned release: Python 3.11's own (23.2) spends 17 s of CPU resolving these
-# pins, 26.1 6 s. The pinned CPU build of torch is then installed with uv, which unpacks
-# wheels in parallel and links them from its cache: 4 s for the 1.3 GB where pip took 30
-# (2-core machine, warm caches). uv reads no pip configuration, so it is handed the wheel
-# folders pip is configured to look in (find-links: a machine that keeps torch's CPU build
-# on disk). Where uv cannot be installed or fails, pip installs everything as before.
+# The pinned packages, the CPU build of torch among them, are installed with uv, which unpacks
+# wheels in parallel and links them from its cache: 11 s from nothing to an environment where
+# pip took 40 (2-core machine, warm caches). uv reads no pip configuration, so it is handed
+# the wheel folders pip is configured to look in (find-links: a machine that keeps torch's
+# CPU build on disk). Where uv cannot be installed or fails, and for TORCH=system, pip
+# installs, upgraded first to a pinned release: Python 3.11's own (23.2) spends 17 s of CPU
+# resolving these pins, 26.1 6 s.
 PIP_VERSION := 26.1
 UV_VERSION := 0.13.9
 PIP_WHEEL_FOLDERS = $$($(BIN)/python -m pip config list 2>/dev/null \
