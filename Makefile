@@ -37,7 +37,7 @@ OFFLINE_ENV = BOOK_MATHJAX_DIR=$(abspath $(MATHJAX)) BOOK_PYODIDE_DIR=$(abspath 
 # packages changed (scripts/book_cache.py empties the execution cache then).
 JB_FLAGS := --all -W -n --keep-going
 
-.PHONY: help venv book test test-start pytest htmlcheck lab serve linkcheck notebooks clean pyodide mathjax \
+.PHONY: help venv book test test-start pytest htmlcheck checks lab serve linkcheck notebooks clean pyodide mathjax \
 	gpu-references
 
 help:
@@ -99,16 +99,32 @@ book: venv
 # tests/conftest.py gives them, the longest first (--no-loadscope-reorder keeps it). The labs
 # start forked from a process that imported torch once (tests/fork_launch.py);
 # LABS_FORK_LAUNCH=0 starts each as a fresh Python under real torchrun, as the book does.
+PYTEST_LABS = $(BIN)/python -m pytest tests --ignore=tests/book -n 2 --dist loadfile \
+	--no-loadscope-reorder
 pytest: venv
-	$(BIN)/python -m pytest tests --ignore=tests/book -n 2 --dist loadfile --no-loadscope-reorder \
-		--durations=15
+	$(PYTEST_LABS) --durations=15
 
 # The built pages, and the sizing page in Chromium with a local Pyodide (npm's package at
 # the pinned release). Without npm, Chromium or chromedriver the browser test says it skipped.
 # Two files at a time: a browser's page loads leave a core idle (their timing bounds are wide).
 # The slowest five are printed: this phase took 20 s in some fresh builds and 50 s in others.
+PYTEST_PAGES = $(BIN)/python -m pytest tests/book -rs -n 2 --dist loadfile --durations=5
 htmlcheck: venv pyodide
-	$(BIN)/python -m pytest tests/book -rs -n 2 --dist loadfile --durations=5
+	$(PYTEST_PAGES)
+
+# make test's checks after the book: the labs' tests and the page checks side by side, since
+# both wait more than they compute (a lab's ranks on their peers, a browser on its pages;
+# one after the other they left a core idle half the time), the page checks' output printed
+# once they end. The `timed` tests then run without the browser beside them: the bubble
+# under controlled time is bounded by the handoffs its launch sampled at its start, which
+# load that arrives later escapes.
+PAGES_LOG = _build/htmlcheck.log
+checks: venv pyodide
+	@mkdir -p _build; $(PYTEST_PAGES) > $(PAGES_LOG) 2>&1 & pages=$$!; \
+	$(PYTEST_LABS) -m "not timed" --durations=15; labs=$$?; \
+	wait $$pages; pages=$$?; echo "== the page checks, run beside them:"; cat $(PAGES_LOG); \
+	$(PYTEST_LABS) -m timed; timed=$$?; \
+	test $$labs -eq 0 -a $$pages -eq 0 -a $$timed -eq 0
 
 # npm's pyodide package, the files the browser needs, in $(PYODIDE) (nothing without npm)
 pyodide: $(PYODIDE)/pyodide.js
@@ -135,7 +151,7 @@ $(MATHJAX)/tex-mml-chtml.js: _config.yml | $(BIN)/activate
 
 # Where npm is present, the site the tests check is the one that reads offline
 test: OFFLINE = $(if $(shell command -v npm),1)
-test: test-start pytest book htmlcheck
+test: test-start book checks
 	@$(BIN)/python scripts/make_test_units.py
 
 # the start of `make test`, before the environment exists: its units are counted from here

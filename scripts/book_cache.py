@@ -5,8 +5,8 @@ alone, but a chapter's outputs also depend on what its cells run: the labs, the 
 results it draws, the scripts it starts, the pinned packages. This script hashes those;
 when the hash differs from the one the cache was filled under, or there is no cache, it
 empties the cache, so that every chapter executes again, and measures the unit the
-chapters' times are counted in: one bare 2-rank torchrun launch of labs/ranks.py, the
-median of 3 (COURSE.md, the budget). Both go into the cache's folder, beside the chapters
+chapters' times are counted in: one bare 2-rank torchrun launch of labs/ranks.py
+(COURSE.md, the budget). Both go into the cache's folder, beside the chapters
 executed under them; the status page reads them (book/_ext/chapter_times.py).
 
 The machine's speed drifts over a build (the same launch took 2.6 s and 3.9 s within an
@@ -30,9 +30,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 # What a chapter's execution depends on besides its own cells
 INPUTS = ["labs", "results", "scripts/slurm", "requirements.txt"]
-# two before the chapters and two after: the median of four follows the machine's load
-# over the build; every sample is a launch make test pays for
-UNIT_RUNS = 2
+# one before the chapters and one after: their mean (the median of two) follows the
+# machine's load over the build; every sample is a launch make test pays for
+UNIT_RUNS = 1
 STATE = "book_inputs.json"   # in the cache's folder
 
 

@@ -107,6 +107,7 @@ def test_a_lone_survivor_waits_for_the_dead_groups_heartbeat_to_expire(pair):
     assert run["decision_s"] >= max(run["asked_s"], earliest) - 0.01
 
 
+@pytest.mark.timed   # not timed itself: it shares the timed tests' launch, which runs once
 def test_checkpoint_restart_trains_again_the_steps_since_the_last_save(pair):
     restart = pair["checkpoint_restart"]
     fail, every = pair["args"]["fail_at_step"], restart["every"]
