@@ -44,7 +44,9 @@ Launch lines (from the repository root):
                            --strategy ddp --profile prof/
                          python labs/trace.py analyze prof/*.json
   and a straggler made on purpose: ... --profile prof/ --slow-rank 1 --slow-ms 30
-                         (each profiled strategy once more, rank 1 late: prof/*-slow-rank*.json)
+                         (each profiled strategy once more, rank 1 late, into
+                         prof/<name>-slow-rank<r>.json: read one set at a time,
+                         python labs/trace.py analyze prof/ddp-strong-n2-slow-rank*.json)
   two nodes (run on each, HOST = node 0's address):
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
              --rdzv-id=scaling labs/scaling.py --strategy ddp --scaling weak --out s16.json
@@ -190,7 +192,8 @@ def measure(strategy, scaling, args, env, link, group=None):
             train_step(wrapped, optimizer, ids, targets)
         name = f"{strategy}-{scaling}-n{n}"
         trace = str(profiling.profile_steps(args.profile, name, env.device, profiled_step))
-        if args.slow_rank is not None:   # the same steps again, one rank late to each
+        if args.slow_rank is not None and args.slow_rank < n:
+            # the same steps again, one rank late to each (a sub-world without it: none)
             slow_trace = str(profiling.profile_steps(
                 args.profile, f"{name}-slow", env.device,
                 lambda: profiled_step(args.slow_rank)))
