@@ -1,6 +1,6 @@
 # Two commands do everything on a fresh machine with Python 3.11+ and make:
 #   make book    build the executed book into _build/html
-#   make test    run the tests, build the book with warnings as errors, check the built pages
+#   make test    build the book with warnings as errors, then run the tests and check its pages
 # Both create the virtual environment from requirements.txt on first use.
 
 PYTHON ?= python3
@@ -43,7 +43,7 @@ JB_FLAGS := --all -W -n --keep-going
 help:
 	@echo "make book       build the executed book into _build/html"
 	@echo "make book OFFLINE=1   the same, reading offline: MathJax and Pyodide served by the site (needs npm once)"
-	@echo "make test       run the tests, build the book with warnings as errors, check its pages"
+	@echo "make test       build the book with warnings as errors, then run the tests and check its pages"
 	@echo "make lab LAB=grad_averaging NPROC=4 ARGS='--steps 50'   run one lab under torchrun"
 	@echo "make gpu-references   every chapter's labs on this box's GPUs with NCCL, into results/<gpu>-x<N>/"
 	@echo "make serve      serve _build/html on http://127.0.0.1:$(PORT)"
