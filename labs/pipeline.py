@@ -52,7 +52,9 @@ step time, from the timeline), predicted_bubble_fraction (the textbook formula; 
 zero-bubble schedules the walk of their order at equal F, I and W,
 time_model.zero_bubble_bubble_fraction),
 handoff_latency_s and handoff_latency_range_s (the median and smallest of this launch's
-handoff samples, and the largest plus the latest wake-up of the step's own ops),
+handoff samples, and the longer of the largest plus the latest wake-up of the step's own
+ops and the longest handoff the step itself showed, handoff_latency_step_max_s: None where
+the ranks ran on several hosts),
 predicted_bubble_fraction_with_handoff (the step's critical path through its ops as they
 ran, joined by the median handoff) and predicted_bubble_fraction_with_handoff_range (by
 the smallest and largest), peak_microbatches_in_flight and
@@ -79,6 +81,7 @@ on gloo, and is timed where it happens (pipeline_schedules.wait_for_work).
 import contextlib
 import copy
 import dataclasses
+import socket
 import statistics
 import time
 
@@ -261,8 +264,10 @@ def run_one(name, shape, m, args, env, expected, handoffs, profile=False):
                "piece": piece, "start_s": t0 - start, "end_s": t1 - start,
                "wait_s": None if wait is None else [wait[0] - start, wait[1] - start]}
               for op, i, piece, t0, t1, wait in pipeline.clock.events]
+    # the step's start on this rank's clock, and the host that clock belongs to: on one
+    # host every rank reads one monotonic clock, and the step's own handoffs can be timed
     mine = {"elapsed": elapsed, "events": events, "sent": int(counter.sent),
-            "over": pipeline.clock.over_budget}
+            "over": pipeline.clock.over_budget, "start": start, "host": socket.gethostname()}
     ranks = [None] * env.world_size
     dist.all_gather_object(ranks, mine)
 
@@ -296,8 +301,12 @@ def run_one(name, shape, m, args, env, expected, handoffs, profile=False):
     # time overran by a late wake-up from its sleep) may hit any handoff: the range's top
     # adds it to the largest sample, so a busy machine widens the range by what it showed.
     late = latest_wakeup(ranks, pipeline.clock.compute_s)
-    handoff = ((statistics.median(handoffs), min(handoffs), max(handoffs) + late)
-               if handoffs else (0.0, 0.0, late))
+    # and a handoff as long as the longest this step itself showed: load that came after
+    # the launch took its samples shows there (None: ranks on several hosts)
+    shown = step_handoffs(ranks)
+    longest = max(shown, default=0.0) if shown is not None else 0.0
+    handoff = ((statistics.median(handoffs), min(handoffs), max(max(handoffs) + late, longest))
+               if handoffs else (0.0, 0.0, max(late, longest)))
     # Where an op has no recorded wait, the gap before it stands for what the rank spent
     # before it could take its input, and may already hold the time its input took to
     # arrive: the range's bottom then adds no handoff on top, or the model would count the
@@ -327,6 +336,7 @@ def run_one(name, shape, m, args, env, expected, handoffs, profile=False):
         "predicted_bubble_fraction": predicted,
         "handoff_latency_s": handoff[0],
         "handoff_latency_range_s": list(handoff[1:]),
+        "handoff_latency_step_max_s": None if shown is None else longest,
         "predicted_bubble_fraction_with_handoff": with_handoff[0],
         "predicted_bubble_fraction_with_handoff_range": with_handoff[1:],
         "peak_microbatches_in_flight": [peak_in_flight(r["events"]) for r in ranks],
@@ -351,7 +361,7 @@ def run_one(name, shape, m, args, env, expected, handoffs, profile=False):
 
 
 # How far the measured bubble may lie from the prediction with the handoff, beyond the range
-# this launch's own handoff samples give: the ops are timed on each rank's own clock, and
+# this launch's own handoffs give: the ops are timed on each rank's own clock, and
 # late wake-ups on the critical path move a short step by about this much. The handoff
 # samples average a round's hops, so one hop can outlast the largest of them: at 0.03 a
 # 3-stage GPipe step at m = 3 measured 0.004 above its bound, on two cores shared with
@@ -365,12 +375,45 @@ DEADLOCK_GRACE_S = 1.0
 
 def bubble_bounds(result):
     """(lowest, highest) bubble a schedule's `result` may measure: the prediction with
-    the handoff at the launch's smallest handoff sample, and at its largest plus the
-    step's latest wake-up, widened by BUBBLE_MARGIN. What a busy machine adds shows in
-    those, so the bounds widen with the same run's own spread, not with a constant
-    chosen for one machine."""
+    the handoff at the launch's smallest handoff sample, and at the longest handoff the
+    step showed (or the largest sample plus the step's latest wake-up, if longer),
+    widened by BUBBLE_MARGIN. What a busy machine adds shows in those, even load that came
+    after the samples, so the bounds widen with the same run's own spread, not with a
+    constant chosen for one machine."""
     low, high = result["predicted_bubble_fraction_with_handoff_range"]
     return low - BUBBLE_MARGIN, high + BUBBLE_MARGIN
+
+
+def step_handoffs(ranks):
+    """Seconds from the end of each op whose output a neighbouring stage waited for to the
+    end of that wait: the step's own handoffs (a message, and the wake-up of the stage
+    waiting for it), counted only where the stage was already waiting when the op ended
+    (otherwise the wait's end says when it asked, not when the message came). A forward
+    takes its input from the forward of the piece before; a backward (B, or I when split)
+    from the backward of the piece after. None when the ranks ran on several hosts, whose
+    clocks are not one; [] when no stage waited so."""
+    if len({r["host"] for r in ranks}) > 1:
+        return None
+    made = {}   # (F or B, micro-batch, piece) -> (stage, when the op ended on the one clock)
+    for stage, r in enumerate(ranks):
+        for e in r["events"]:
+            if e["op"] != "W":
+                made["F" if e["op"] == "F" else "B", e["microbatch"], e["piece"]] = (
+                    stage, r["start"] + e["end_s"])
+    shown = []
+    for stage, r in enumerate(ranks):
+        for e in r["events"]:
+            if e["wait_s"] is None or e["op"] == "W":
+                continue
+            source = (("F", e["microbatch"], e["piece"] - 1) if e["op"] == "F" else
+                      ("B", e["microbatch"], e["piece"] + 1))
+            if source not in made or made[source][0] == stage:
+                continue   # the loss's gradient, the first input, or a piece on this rank
+            ended = made[source][1]
+            asked, in_hand = (r["start"] + t for t in e["wait_s"])
+            if asked <= ended:
+                shown.append(in_hand - ended)
+    return shown
 
 
 def latest_wakeup(ranks, compute_s):

@@ -69,7 +69,8 @@ def test_the_result_says_where_it_came_from(result):
               "predicted_bubble_fraction", "peak_microbatches_in_flight",
               "predicted_peak_microbatches_in_flight", "p2p_bytes_per_rank",
               "predicted_p2p_bytes_per_rank", "ops_over_compute_ms", "handoff_latency_s",
-              "handoff_latency_range_s", "predicted_bubble_fraction_with_handoff",
+              "handoff_latency_range_s", "handoff_latency_step_max_s",
+              "predicted_bubble_fraction_with_handoff",
               "predicted_bubble_fraction_with_handoff_range", "profile"}
     for entry in result["sweep"]:
         for name, r in entry["schedules"].items():
@@ -157,7 +158,9 @@ def test_the_bubble_under_controlled_time_follows_the_prediction_with_the_handof
     # The time between ops (a message, a process waking up) is idle time the textbook
     # formula leaves out; the lab measures it in the same launch (the handoff) and predicts
     # the step's critical path with it. The measured bubble lies within the range the
-    # launch's own handoff samples give (pipeline.bubble_bounds), loaded machine or not.
+    # launch's own handoffs give (pipeline.bubble_bounds), loaded machine or not: its
+    # samples, and the longest handoff each step showed, which load arriving after the
+    # samples lengthens too.
     p = result["pp"]
     if result["compute_ms"] is None:
         return   # the real computation: the CPU's timeline, not the schedule's
@@ -173,9 +176,28 @@ def test_the_bubble_under_controlled_time_follows_the_prediction_with_the_handof
                 assert r["predicted_bubble_fraction"] == (p - 1) / (m + p - 1)
             low, high = r["predicted_bubble_fraction_with_handoff_range"]
             assert low <= r["predicted_bubble_fraction_with_handoff"] <= high
+            # one host: some stage waited for a neighbour's op and its handoff was timed
+            assert r["handoff_latency_step_max_s"] > 0, (m, name)
+            assert r["handoff_latency_range_s"][1] >= r["handoff_latency_step_max_s"]
             lowest, highest = pipeline.bubble_bounds(r)
             assert lowest <= r["bubble_fraction"] <= highest, (m, name, r["bubble_fraction"],
                                                                  lowest, highest)
+
+
+def test_a_steps_own_handoffs_are_timed_where_the_stage_was_waiting():
+    def rank(host, start, *events):
+        return {"host": host, "start": start, "events": [
+            {"op": op, "microbatch": 0, "piece": piece, "end_s": end, "wait_s": wait}
+            for op, piece, end, wait in events]}
+    ranks = [rank("a", 100.0, ("F", 0, 0.010, None), ("B", 0, 0.050, [0.020, 0.031])),
+             rank("a", 100.002, ("F", 1, 0.020, [0.0, 0.0105]), ("B", 1, 0.028, None)),
+             rank("a", 100.0, ("F", 2, 0.040, [0.035, 0.041]))]   # asked after: not counted
+    shown = pipeline.step_handoffs(ranks)
+    # stage 1 waited from 100.002 for stage 0's F, which ended at 100.010: in hand at
+    # 100.0125; stage 0 waited from 100.020 for stage 1's B, ended 100.030, in hand 100.031
+    assert shown == pytest.approx([0.001, 0.0025])
+    ranks[2]["host"] = "b"   # two hosts: two clocks, nothing timed across them
+    assert pipeline.step_handoffs(ranks) is None
 
 
 @pytest.mark.parametrize("result", [GUARDED], indirect=True)
