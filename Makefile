@@ -99,8 +99,8 @@ book: venv
 # tests/conftest.py gives them, the longest first (--no-loadscope-reorder keeps it). The labs
 # start forked from a process that imported torch once (tests/fork_launch.py);
 # LABS_FORK_LAUNCH=0 starts each as a fresh Python under real torchrun, as the book does.
-PYTEST_LABS = $(BIN)/python -m pytest tests --ignore=tests/book -n 2 --dist loadfile \
-	--no-loadscope-reorder
+PYTEST_TWO = $(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder
+PYTEST_LABS = $(PYTEST_TWO) tests --ignore=tests/book
 pytest: venv
 	$(PYTEST_LABS) --durations=15
 
@@ -120,11 +120,13 @@ htmlcheck: venv pyodide
 # and two more workers a short step still left its bound (1F1B at p = 3 and m = 1 measured
 # 0.80 against 0.75), and all of it at once took longer here (189 s against 163).
 PAGES_LOG = _build/htmlcheck.log
+# the files that hold timed tests: only they are collected again for the last phase
+TIMED_FILES = $(shell grep -l "pytest.mark.timed" tests/test_*.py)
 checks: venv pyodide
 	@mkdir -p _build; $(PYTEST_PAGES) > $(PAGES_LOG) 2>&1 & pages=$$!; \
 	$(PYTEST_LABS) -m "not timed" --durations=15; labs=$$?; \
 	wait $$pages; pages=$$?; echo "== the page checks, run beside them:"; cat $(PAGES_LOG); \
-	$(PYTEST_LABS) -m timed; timed=$$?; \
+	$(PYTEST_TWO) $(TIMED_FILES) -m timed; timed=$$?; \
 	test $$labs -eq 0 -a $$pages -eq 0 -a $$timed -eq 0
 
 # npm's pyodide package, the files the browser needs, in $(PYODIDE) (nothing without npm)
