@@ -70,6 +70,8 @@ UV_VERSION := 0.13.9
 PIP_WHEEL_FOLDERS = $$($(BIN)/python -m pip config list 2>/dev/null \
 	| sed -n "s/^.*\.find-links='\(.*\)'$$/\1/p" | tr ' ' '\n' | sort -u | sed 's/^/--find-links /')
 
+# Then the bytecode of what the labs and the book import is written once, in one process,
+# rather than by the first chapter that imports each (scripts/compile_imports.py).
 $(VENV)/.installed: requirements.txt | $(BIN)/activate
 ifeq ($(TORCH),system)
 	$(BIN)/python -m pip install --no-compile -q pip==$(PIP_VERSION)
@@ -83,6 +85,7 @@ else
 		$(BIN)/python -m pip install --no-compile -q pip==$(PIP_VERSION) \
 		&& $(BIN)/python -m pip install --no-compile -r requirements.txt; }
 endif
+	$(BIN)/python scripts/compile_imports.py
 	touch $@
 
 venv: $(VENV)/.installed
