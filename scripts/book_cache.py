@@ -30,9 +30,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 # What a chapter's execution depends on besides its own cells
 INPUTS = ["labs", "results", "scripts/slurm", "requirements.txt"]
-# one before the chapters and one after: their mean (the median of two) follows the
-# machine's load over the build; every sample is a launch make test pays for
-UNIT_RUNS = 1
+# two before the chapters and two after: the median of four follows the machine's load over
+# the build, and one launch slowed by a passing load does not set the unit (one before and
+# one after measured 3.58 and 5.61 s in one build here, with the chapters between them
+# running as fast as in a build whose samples were 3.58 and 3.59); every sample is a
+# launch make test pays for
+UNIT_RUNS = 2
 STATE = "book_inputs.json"   # in the cache's folder
 
 
