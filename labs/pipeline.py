@@ -304,7 +304,7 @@ def run_one(name, shape, m, args, env, expected, handoffs, profile=False):
     # and a handoff as long as the longest this step itself showed: load that came after
     # the launch took its samples shows there (None: ranks on several hosts)
     shown = step_handoffs(ranks)
-    longest = max(shown, default=0.0) if shown is not None else 0.0
+    longest = max(shown or [], default=0.0)
     handoff = ((statistics.median(handoffs), min(handoffs), max(max(handoffs) + late, longest))
                if handoffs else (0.0, 0.0, max(late, longest)))
     # Where an op has no recorded wait, the gap before it stands for what the rank spent
