@@ -66,6 +66,10 @@ NUMEL = 4
 # --dump-stacks-after: rank r dumps this much later than rank r - 1, so that the ranks'
 # dumps, which share one log, come one after another instead of interleaved line by line
 DUMP_STAGGER_S = 0.3
+# How long a rank stays after its line (distenv.fail's linger_s): the ranks wait in step, so
+# their timeouts end within moments of one another (without it, a 3-rank test run here
+# lost rank 1's line: rank 0 had exited first)
+PEERS_LINE_S = 1.0
 # `kill -USR2 PID`: every thread's stack. Not SIGUSR1, which a training loop under SLURM
 # takes for checkpoint-and-requeue (the chapter on running at scale).
 STACKS_SIGNAL = signal.SIGUSR2
@@ -101,8 +105,11 @@ def guarded(what, collective, env):
         told = " ".join(str(error).split())
         # DETAIL's fingerprints: keep the op, the shapes and the dtypes, not the options
         told = re.sub(r", TensorDeviceTypes=TensorOptions\(.*?\)\)\)", ")", told)[:600]
+        # the others wait out the same timeout: staying a moment after the line lets a
+        # peer whose wait ended a little later say its own before torchrun stops it
         distenv.fail(f"rank {env.rank}: {what} ended after "
-                     f"{time.perf_counter() - started:.1f} s: {told}", every_rank=True)
+                     f"{time.perf_counter() - started:.1f} s: {told}", every_rank=True,
+                     linger_s=PEERS_LINE_S)
 
 
 def program(args, rank):

@@ -567,13 +567,9 @@ def main():
         try:
             env.write_result(args, run(args, env))
         except TimeoutError as error:
-            # each stage says what it waited for; the first to give up stays a moment
-            # before exiting, since torchrun stops every rank once one exits, and a peer
-            # whose wait began a little later (a busy machine) must reach its own timeout
-            try:
-                distenv.fail(str(error), every_rank=True)
-            finally:
-                time.sleep(DEADLOCK_GRACE_S)
+            # each stage says what it waited for, and stays a moment: a peer whose wait
+            # began a little later (a busy machine) must reach its own timeout
+            distenv.fail(str(error), every_rank=True, linger_s=DEADLOCK_GRACE_S)
 
 
 if __name__ == "__main__":

@@ -74,8 +74,14 @@ def fork_launch():
 
 def run_script(lab, *args, env_extra=None, timeout=120):
     """`python labs/<lab>.py args...` as a world of one (no torchrun); returns CompletedProcess."""
-    env = launch.lab_environment({"OMP_NUM_THREADS": "1", **(env_extra or {})})
-    command = [sys.executable, str(LABS / f"{lab}.py"), *map(str, args)]
+    return run_python_file(LABS / f"{lab}.py", *args, env_extra=env_extra, timeout=timeout)
+
+
+def run_python_file(path, *args, env_extra=None, timeout=120):
+    """`python path args...`, forked like the labs where it can be, labs/ on its path."""
+    env = launch.lab_environment({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(LABS),
+                                  **(env_extra or {})})
+    command = [sys.executable, str(path), *map(str, args)]
     forked = _launcher and _launcher.start(command, env, os.getcwd(), merge_stderr=False)
     if not forked:
         return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)

@@ -8,14 +8,12 @@ checks where tensors live, not what the lab computes: the labs' results are chec
 their own tests and the book.
 """
 
-import subprocess
-import sys
 import textwrap
 
 import pytest
-from conftest import LABS
+from conftest import LABS, run_python_file
 
-from labkit.runtime import distenv, launch
+from labkit.runtime import distenv
 from labkit.runtime.launch import run_lab
 
 GUARD = {distenv.DEVICE_GUARD: "1"}
@@ -103,37 +101,28 @@ MODEL_NEVER_MOVED = textwrap.dedent("""
     ("model(batch)", "device guard: aten.addmm"),           # beside the lab's tensors
     ("torch.distributed.all_reduce(model.weight)", "meta"),  # into a collective
 ])
-def test_a_tensor_left_off_the_device_fails_under_the_guard(use, words):
+def test_a_tensor_left_off_the_device_fails_under_the_guard(use, words, tmp_path):
     """What a GPU would refuse (a CPU model fed CUDA batches, a CPU tensor handed to
     NCCL) fails on CPU under the guard, and runs without it."""
-    code = MODEL_NEVER_MOVED.format(use=use)
-    command = [sys.executable, "-c", code]
-    env = launch.lab_environment({"PYTHONPATH": str(LABS)})
-    plain = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    code = tmp_path / "never_moved.py"
+    code.write_text(MODEL_NEVER_MOVED.format(use=use))
+    plain = run_python_file(code)
     assert plain.returncode == 0, plain.stderr
-    guarded = subprocess.run(command, capture_output=True, text=True, timeout=120,
-                             env={**env, **GUARD})
+    guarded = run_python_file(code, env_extra=GUARD)
     assert guarded.returncode != 0 and words in guarded.stderr, guarded.stderr[-2000:]
 
 
-def test_host_side_work_says_cpu_under_the_guard():
+def test_host_side_work_says_cpu_under_the_guard(tmp_path):
     """What a lab keeps on the host names device="cpu" and works under the guard (the
     labs' own bookkeeping), while a bare factory call lands on meta."""
-    code = textwrap.dedent("""
+    code = tmp_path / "host_side.py"
+    code.write_text(textwrap.dedent("""
         import argparse, torch
         from labkit.runtime import distenv
         args = argparse.Namespace(backend="gloo", seed=0, timeout=10, out=None)
         with distenv.initialize(args) as env:
             print(torch.zeros(2).device, torch.zeros(2, device="cpu").device, env.device)
-    """)
-    done = run_script_code(code)
-    assert done.stdout.split() == ["meta", "cpu", "cpu"], done.stderr
-
-
-def run_script_code(code):
-    env = launch.lab_environment({"PYTHONPATH": str(LABS), **GUARD})
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=env, timeout=120)
+    """))
+    done = run_python_file(code, env_extra=GUARD)
     assert done.returncode == 0, done.stderr
-    return done
-
+    assert done.stdout.split() == ["meta", "cpu", "cpu"], done.stderr

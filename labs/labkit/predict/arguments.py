@@ -32,7 +32,7 @@ def lab_name():
     return Path(sys.argv[0]).stem or "lab"
 
 
-def fail(message, every_rank=None):
+def fail(message, every_rank=None, linger_s=0.0):
     """Exit with one line, `<lab>: error: <message>`, and status 1.
 
     Bad input is the same on every rank, so rank 0 alone prints it (N copies of one line,
@@ -40,6 +40,11 @@ def fail(message, every_rank=None):
     status. A failure a rank met while running (called while handling a RuntimeError or an
     OSError, e.g. a collective's timeout) is that rank's own: every rank prints its line.
     every_rank=True/False says which, instead of guessing from the exception.
+
+    linger_s: for a failure the other ranks are meeting too (a timeout they all wait out),
+    how long this rank stays after its line before exiting. torchrun stops every rank as
+    soon as one exits, so the first to leave would cut off a peer whose wait ended a moment
+    later, before it said its own line.
     """
     line = f"{lab_name()}: error: {message}"
     if every_rank is None:
@@ -48,6 +53,7 @@ def fail(message, every_rank=None):
     if every_rank or os.environ.get("RANK", "0") == "0":
         sys.stderr.write(line + "\n")   # one write: two ranks' lines never run together
         sys.stderr.flush()
+        time.sleep(linger_s)
     elif "WORLD_SIZE" in os.environ:
         time.sleep(QUIET_EXIT_WAIT_S)
     raise LabInputError(line)
