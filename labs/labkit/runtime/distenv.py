@@ -348,7 +348,7 @@ def add_sub_worlds_arg(parser):
     size k on the first k ranks (measure_with_sub_worlds)."""
     parser.add_argument("--sub-worlds", type=int_list(1), default=[], metavar="K[,K...]",
                         help="then the same again on the first k ranks alone, for each k "
-                             "(comma-separated, e.g. 2 or 2,1)")
+                             "below the world's size (comma-separated, e.g. 2 or 2,1)")
 
 
 def sub_worlds(sizes):
@@ -370,13 +370,15 @@ def run_sub_worlds(env, groups, measure):
 def measure_with_sub_worlds(env, sizes, measure, check=None):
     """measure(env) on the whole world, then again in each --sub-worlds group (sub_worlds,
     run_sub_worlds), every rank waiting for the last: the world's result, with the others
-    under `sub_worlds`. Before anything runs, it refuses in one line a k larger than the
-    world, and check(size), for the world's size and each k, one the lab cannot split its
-    work over."""
-    too_big = [k for k in sizes if k > env.world_size]
+    under `sub_worlds`. Before anything runs, it refuses in one line a k as large as the
+    world (measured anyway: its files and results would be written twice under one name),
+    and check(size), for the world's size and each k, one the lab cannot split its work
+    over."""
+    too_big = [k for k in sizes if k >= env.world_size]
     if too_big:
         fail(f"--sub-worlds {too_big[0]}: the world has only {env.world_size} "
-             f"rank{'s' * (env.world_size > 1)}")
+             f"rank{'s' * (env.world_size > 1)}"
+             + (", and is measured whole anyway" if too_big[0] == env.world_size else ""))
     if check:
         for size in [env.world_size, *sizes]:
             check(size)
