@@ -12,12 +12,13 @@
            after backward, optimizer state after the step. Beside the counts, the bytes
            the allocator itself holds for the strategy at the same points, and at the
            step's peak: on a GPU from the CUDA caching allocator, on a CPU from c10's
-           allocator through torch.profiler's memory events (in a simulated world or a
-           world of one: see allocator_source).
+           allocator through torch.profiler's memory events, in a simulated world only
+           (allocator_source: gloo frees on threads the profiler does not hear).
 
   Several strategies (a comma-separated list, or all) run one after another in the same
   processes, and --simulate-world-size takes a list: one process measures rank 0 of each
-  simulated world in turn (1 in the list is a real world of one: nothing to fake).
+  simulated world in turn (1 in the list too: a real world of one would run its
+  collectives on gloo's threads).
 
 Launch lines (from the repository root):
   the ZeRO paper's example:  python labs/memory.py predict --params 7.5B --gpus 64
@@ -437,10 +438,11 @@ def allocator_source(args, env):
         return True, "the CUDA caching allocator (torch.cuda.memory_allocated)"
     if args.allocator_max_world is not None and env.world_size > args.allocator_max_world:
         return False, f"not measured above --allocator-max-world {args.allocator_max_world}"
-    if env.simulated or env.world_size == 1:
+    if env.simulated:
         return True, "c10's CPU allocator, through torch.profiler's memory events"
-    # gloo runs a collective on threads of its own, and a tensor a collective held can be
-    # freed there; the profiler hears of a CPU free only on the thread it profiles
+    # gloo runs a collective on threads of its own, in a world of one too, and a tensor a
+    # collective held can be freed there; the profiler hears of a CPU free only on the
+    # thread it profiles, so the sum would keep bytes already freed
     return False, ("not measured: gloo frees some tensors on its own threads, which the "
                    "profiler does not see; --simulate-world-size measures them")
 

@@ -1,10 +1,10 @@
 """The memory lab: predict against the ZeRO paper, measure against predict in torch's own
 DDP, ZeroRedundancyOptimizer and FSDP2, and the allocator's own bytes against the count.
-The chapter measures every strategy on real ranks at N = 1 and 4 and on simulated ones at
-N = 2, 3, 4, 8, 64 and 1024 (one process runs these and the world of one, reading the
-allocator up to N = 8), and asserts each; here real ranks at N = 3 (odd, where gloo's
-threads keep the allocator unread), a simulated N = 16 alone, a world of one and a
-simulated N = 3 under the device guard, the calculator, and bad input."""
+The chapter measures every strategy on real ranks at N = 4 and on simulated ones at
+N = 1, 2, 3, 4, 8, 64 and 1024 (one process runs these, reading the allocator up to N = 8),
+and asserts each; here real ranks at N = 3 (odd, where gloo's threads keep the allocator
+unread) under the device guard, a simulated N = 16 alone, simulated worlds of one and three
+under the guard, the calculator, and bad input."""
 
 import json
 
@@ -95,10 +95,14 @@ def check_allocator(row, activations):
         assert row["held_after_step_bytes"]["params"] == 4 * shards
 
 
-@pytest.mark.parametrize("world_size", [3])   # the chapter runs 1 and 4 (and 2 simulated)
+@pytest.mark.parametrize("world_size", [3])   # the chapter runs 4 (and 1 to 1024 simulated)
 def test_real_ranks_hold_what_the_layout_predicts(world_size):
-    result = run_lab("memory", world_size, ["measure", "--strategy", "all"], echo=False)
+    """Under the device guard (distenv.device_guard_on): a tensor made without naming its
+    device is meta, and a real group's collectives refuse it, as NCCL would a CPU tensor."""
+    result = run_lab("memory", world_size, ["measure", "--strategy", "all"],
+                     env={distenv.DEVICE_GUARD: "1"}, echo=False)
     assert result["simulated"] is False and result["world_size"] == world_size
+    assert result["device_guard"] is True
     assert [row["strategy"] for row in result["measurements"]] == list(memory_model.STRATEGIES)
     for row in result["measurements"]:
         check_measurement(row, row["strategy"], world_size)
@@ -129,8 +133,9 @@ def test_a_simulated_world_of_16_in_one_process():
 def test_the_lab_runs_under_the_device_guard():
     """LABS_DEVICE_GUARD=1 (distenv.device_guard_on): what the lab makes without naming a
     device is meta, so a model or batch left off env.device fails as it would on a GPU.
-    A real world of one (gloo) and a simulated one (the fake group, whose collectives would
-    pass a meta tensor silently) both run, and count what the unguarded lab counts."""
+    Simulated worlds of one and three (the fake group, whose collectives would pass a meta
+    tensor silently; the real ranks above are guarded too) count what the unguarded lab
+    counts."""
     result = run_lab("memory", None, ["measure", "--strategy", "all",
                                       "--simulate-world-size", "1,3",
                                       "--allocator-max-world", 1],
@@ -142,7 +147,7 @@ def test_the_lab_runs_under_the_device_guard():
     assert result["allocator"] == "c10's CPU allocator, through torch.profiler's memory events"
     for row in rows:
         check_measurement(row, row["strategy"], row["world_size"])
-        if row["world_size"] == 1:   # a real world of one: every free on the lab's thread
+        if row["world_size"] == 1:   # simulated too: every free on the lab's thread
             check_allocator(row, result["activation_bytes"]["measured"])
         else:                        # above --allocator-max-world
             assert row["allocated_bytes"] is None

@@ -496,7 +496,8 @@ def initialize(args, simulate_world_size=None, cpu_group=False):
     """Create the process group for this process, yield a DistEnv, destroy it on exit.
 
     With `simulate_world_size` N, this one process is rank 0 of a world of N through the
-    fake process group (collectives are no-ops): for measuring what one rank holds.
+    fake process group (collectives are no-ops, on the calling thread), N = 1 included:
+    for measuring what one rank holds.
     With `cpu_group`, an NCCL group also gets gloo for CPU tensors (process_group_backend).
     """
     under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -505,8 +506,6 @@ def initialize(args, simulate_world_size=None, cpu_group=False):
             fail("--simulate-world-size runs in one process: start it with python, not torchrun")
         if simulate_world_size < 1:
             fail(f"--simulate-world-size must be at least 1, got {simulate_world_size}")
-        if simulate_world_size == 1:   # a world of one has no other rank to fake: a real one
-            simulate_world_size = None
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
