@@ -51,10 +51,13 @@ JSON: `pp`, `shape`, `batch`, `compute_ms`, `handoff_latency_samples_s`; `schedu
 step time, from the timeline), predicted_bubble_fraction (the textbook formula; for the
 zero-bubble schedules the walk of their order at equal F, I and W,
 time_model.zero_bubble_bubble_fraction),
-handoff_latency_s and handoff_latency_range_s (the median and smallest of this launch's
-handoff samples, and the longer of the largest plus the latest wake-up of the step's own
-ops and the longest handoff the step itself showed, handoff_latency_step_max_s: None where
-the ranks ran on several hosts),
+handoff_latency_s and handoff_latency_range_s (the median of this launch's handoff
+samples; the range's bottom, their smallest, or 0 where an op waited for no message, as
+every schedule's first forwards and last backwards do, since the gap before such an op
+may already hold its input's handoff; its top, the longer of the largest sample plus the
+latest wake-up of the step's own ops and the longest handoff the step itself showed,
+handoff_latency_step_max_s: None where the ranks ran on several hosts or no stage was
+already waiting when its input was sent),
 predicted_bubble_fraction_with_handoff (the step's critical path through its ops as they
 ran, joined by the median handoff) and predicted_bubble_fraction_with_handoff_range (by
 the smallest and largest), peak_microbatches_in_flight and
@@ -84,6 +87,7 @@ import dataclasses
 import socket
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -91,6 +95,7 @@ import torch.distributed as dist
 from labkit.predict import comm_model, memory_model, time_model
 from labkit.runtime import distenv, profiling
 from labkit.runtime.collectives import CountCollectives
+from labkit.runtime.timing import NCCL_GIVE_UP_FRACTION
 from labkit.parallel.pipeline_schedules import (OpClock, handoff_samples, run_schedule,
                                                 schedule_order, split_pieces, timed_torch_stage)
 from labkit.parallel.strategies import apply_pp, rank_batch
@@ -267,7 +272,7 @@ def run_one(name, shape, m, args, env, expected, handoffs, profile=False):
     # the step's start on this rank's clock, and the host that clock belongs to: on one
     # host every rank reads one monotonic clock, and the step's own handoffs can be timed
     mine = {"elapsed": elapsed, "events": events, "sent": int(counter.sent),
-            "over": pipeline.clock.over_budget, "start": start, "host": socket.gethostname()}
+            "over": pipeline.clock.over_budget, "start": start, "clock": clock_owner()}
     ranks = [None] * env.world_size
     dist.all_gather_object(ranks, mine)
 
@@ -336,7 +341,7 @@ def run_one(name, shape, m, args, env, expected, handoffs, profile=False):
         "predicted_bubble_fraction": predicted,
         "handoff_latency_s": handoff[0],
         "handoff_latency_range_s": list(handoff[1:]),
-        "handoff_latency_step_max_s": None if shown is None else longest,
+        "handoff_latency_step_max_s": longest if shown else None,
         "predicted_bubble_fraction_with_handoff": with_handoff[0],
         "predicted_bubble_fraction_with_handoff_range": with_handoff[1:],
         "peak_microbatches_in_flight": [peak_in_flight(r["events"]) for r in ranks],
@@ -373,6 +378,16 @@ BUBBLE_MARGIN = 0.05
 DEADLOCK_GRACE_S = 1.0
 
 
+def deadlock_grace_s(args, device):
+    """DEADLOCK_GRACE_S, but on NCCL no longer than half the time its watchdog leaves: it
+    ends the process once a receive has waited the group's --timeout, and the stage gave
+    up at NCCL_GIVE_UP_FRACTION of --p2p-timeout (timing.wait_for_work)."""
+    if device.type != "cuda":
+        return DEADLOCK_GRACE_S
+    left = args.timeout - NCCL_GIVE_UP_FRACTION * args.p2p_timeout
+    return max(0.0, min(DEADLOCK_GRACE_S, left / 2))
+
+
 def bubble_bounds(result):
     """(lowest, highest) bubble a schedule's `result` may measure: the prediction with
     the handoff at the launch's smallest handoff sample, and at the longest handoff the
@@ -390,9 +405,9 @@ def step_handoffs(ranks):
     waiting for it), counted only where the stage was already waiting when the op ended
     (otherwise the wait's end says when it asked, not when the message came). A forward
     takes its input from the forward of the piece before; a backward (B, or I when split)
-    from the backward of the piece after. None when the ranks ran on several hosts, whose
-    clocks are not one; [] when no stage waited so."""
-    if len({r["host"] for r in ranks}) > 1:
+    from the backward of the piece after. None when the ranks read different clocks
+    (clock_owner: several hosts); [] when no stage waited so."""
+    if len({r["clock"] for r in ranks}) > 1:
         return None
     made = {}   # (F or B, micro-batch, piece) -> (stage, when the op ended on the one clock)
     for stage, r in enumerate(ranks):
@@ -414,6 +429,16 @@ def step_handoffs(ranks):
             if asked <= ended:
                 shown.append(in_hand - ended)
     return shown
+
+
+def clock_owner():
+    """Whose monotonic clock this process reads (time.perf_counter, CLOCK_MONOTONIC on
+    Linux): the host's boot, which every process of one machine shares, where Linux names
+    it; a host name alone can repeat across machines (containers, cluster images)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return socket.gethostname()
 
 
 def latest_wakeup(ranks, compute_s):
@@ -569,7 +594,8 @@ def main():
         except TimeoutError as error:
             # each stage says what it waited for, and stays a moment: a peer whose wait
             # began a little later (a busy machine) must reach its own timeout
-            distenv.fail(str(error), every_rank=True, linger_s=DEADLOCK_GRACE_S)
+            distenv.fail(str(error), every_rank=True,
+                         linger_s=deadlock_grace_s(args, env.device))
 
 
 if __name__ == "__main__":

@@ -178,15 +178,14 @@ def test_the_bubble_under_controlled_time_follows_the_prediction_with_the_handof
             assert low <= r["predicted_bubble_fraction_with_handoff"] <= high
             # one host: some stage waited for a neighbour's op and its handoff was timed
             assert r["handoff_latency_step_max_s"] > 0, (m, name)
-            assert r["handoff_latency_range_s"][1] >= r["handoff_latency_step_max_s"]
             lowest, highest = pipeline.bubble_bounds(r)
             assert lowest <= r["bubble_fraction"] <= highest, (m, name, r["bubble_fraction"],
                                                                  lowest, highest)
 
 
 def test_a_steps_own_handoffs_are_timed_where_the_stage_was_waiting():
-    def rank(host, start, *events):
-        return {"host": host, "start": start, "events": [
+    def rank(clock, start, *events):
+        return {"clock": clock, "start": start, "events": [
             {"op": op, "microbatch": 0, "piece": piece, "end_s": end, "wait_s": wait}
             for op, piece, end, wait in events]}
     ranks = [rank("a", 100.0, ("F", 0, 0.010, None), ("B", 0, 0.050, [0.020, 0.031])),
@@ -196,7 +195,7 @@ def test_a_steps_own_handoffs_are_timed_where_the_stage_was_waiting():
     # stage 1 waited from 100.002 for stage 0's F, which ended at 100.010: in hand at
     # 100.0125; stage 0 waited from 100.020 for stage 1's B, ended 100.030, in hand 100.031
     assert shown == pytest.approx([0.001, 0.0025])
-    ranks[2]["host"] = "b"   # two hosts: two clocks, nothing timed across them
+    ranks[2]["clock"] = "b"   # two hosts: two clocks, nothing timed across them
     assert pipeline.step_handoffs(ranks) is None
 
 
@@ -412,3 +411,16 @@ def test_zero_bubble_memory_by_hand():
                 [2 * p + 1] * p
     assert memory_model.zero_bubble_peak_microbatches("zbv", 4, 4) == [5, 6, 7, 8]
     assert memory_model.zero_bubble_peak_microbatches("zb1p", 4, 2) == [4, 4, 4, 4]   # m v
+
+
+def test_a_deadlocked_stage_stays_for_its_peers_only_while_nccl_lets_it():
+    """After its line, a stage stays DEADLOCK_GRACE_S for its peers' lines; on NCCL no
+    longer than half what the watchdog leaves after the stage gave up (a --p2p-timeout
+    equal to a short --timeout would otherwise be ended mid-stay)."""
+    import argparse
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    args = argparse.Namespace(timeout=3.0, p2p_timeout=3.0)
+    assert pipeline.deadlock_grace_s(args, cpu) == pipeline.DEADLOCK_GRACE_S
+    assert pipeline.deadlock_grace_s(args, cuda) == pytest.approx(0.3)   # (3 - 0.8 x 3) / 2
+    assert pipeline.deadlock_grace_s(argparse.Namespace(timeout=120.0, p2p_timeout=1.0),
+                                     cuda) == pipeline.DEADLOCK_GRACE_S

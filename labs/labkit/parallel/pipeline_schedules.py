@@ -163,7 +163,11 @@ def _exchange(sends, recv=None, group=None):
     batch_isend_irecv: a stage's send to a neighbour and its receive from the same one go
     out together, as Megatron-LM's send_forward_recv_backward does. On NCCL a send waits
     for its peer's matching receive, and separate calls over one pair's stream can wait on
-    each other. Returns (the send handles, the receive's handle or None)."""
+    each other. NCCL coalesces the batch into one work (batch_isend_irecv returns it
+    alone): the receive's handle is then the batch's, done once the sends have been
+    received too, so there a stage's wait for its input also holds its neighbour's posting
+    of the matching receive, as in Megatron-LM. Returns (the send handles, the receive's
+    handle or None)."""
     ops = [dist.P2POp(dist.isend, tensor, peer, group) for tensor, peer in sends]
     if recv is not None:
         ops.append(dist.P2POp(dist.irecv, recv[0], recv[1], group))
