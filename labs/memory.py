@@ -13,12 +13,13 @@
            the allocator itself holds for the strategy at the same points, and at the
            step's peak: on a GPU from the CUDA caching allocator, on a CPU from c10's
            allocator through torch.profiler's memory events, in a simulated world only
-           (allocator_source: gloo frees on threads the profiler does not hear).
+           (allocator_source: gloo's threads free tensors where the profiler does not
+           hear it).
 
   Several strategies (a comma-separated list, or all) run one after another in the same
   processes, and --simulate-world-size takes a list: one process measures rank 0 of each
-  simulated world in turn (1 in the list too: a real world of one would run its
-  collectives on gloo's threads).
+  simulated world in turn (1 in the list too: in a real world of one, DDP and ZeRO-1
+  would still hand their tensors to gloo's threads).
 
 Launch lines (from the repository root):
   the ZeRO paper's example:  python labs/memory.py predict --params 7.5B --gpus 64
@@ -440,11 +441,13 @@ def allocator_source(args, env):
         return False, f"not measured above --allocator-max-world {args.allocator_max_world}"
     if env.simulated:
         return True, "c10's CPU allocator, through torch.profiler's memory events"
-    # gloo runs a collective on threads of its own, in a world of one too, and a tensor a
-    # collective held can be freed there; the profiler hears of a CPU free only on the
-    # thread it profiles, so the sum would keep bytes already freed
-    return False, ("not measured: gloo frees some tensors on its own threads, which the "
-                   "profiler does not see; --simulate-world-size measures them")
+    # gloo runs a collective on threads of its own (a world of one too, for DDP and
+    # ZeRO-1), carrying the profiling thread's state while the collective runs; once it
+    # has run, such a thread can drop the last reference to a tensor the collective held,
+    # and that free goes unheard, so the sum would keep bytes already freed
+    return False, ("not measured: gloo frees some tensors on its own threads after a "
+                   "collective, where the profiler does not see it; --simulate-world-size "
+                   "measures them")
 
 
 def report(row, env):

@@ -15,8 +15,8 @@ reports no bus bandwidth (null), since nothing crosses a link.
   --sizes LIST    a timing sweep, e.g. 4K,64K,1M,16M (bytes; K/M/G = 2^10/2^20/2^30),
                   ring and dist.all_reduce alternating, --repeats timed samples per size,
                   each sample the operation repeated back to back for about 20 ms
-  --sub-worlds LIST  then the same again on the first k ranks alone, for each k (e.g. 2),
-                  largest first: a world of k inside this launch, on its own process
+  --sub-worlds LIST  then the same again on the first k ranks alone, for each k below the
+                  world's size (e.g. 2), largest first: a world of k inside this launch, on its own process
                   group, while the other ranks wait (asleep in a gloo barrier)
 
 Launch lines (from the repository root):

@@ -123,8 +123,8 @@ def test_bad_input_exits_with_one_clear_line(script):
                                "--sub-worlds 2: the world has only 1 rank")
     # the whole world again would write its traces and results twice under one name
     assert_fails_with_one_line(script("scaling", "--sub-worlds", 1),
-                               "--sub-worlds 1: the world has only 1 rank, and is measured "
-                               "whole anyway")
+                               "--sub-worlds 1: that is the whole world, measured anyway; "
+                               "a world of one has no smaller one")
 
 
 def test_flat_allreduce_times_give_no_fit_and_no_prediction(monkeypatch):

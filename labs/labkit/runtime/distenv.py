@@ -374,11 +374,12 @@ def measure_with_sub_worlds(env, sizes, measure, check=None):
     world (measured anyway: its files and results would be written twice under one name),
     and check(size), for the world's size and each k, one the lab cannot split its work
     over."""
-    too_big = [k for k in sizes if k >= env.world_size]
-    if too_big:
-        fail(f"--sub-worlds {too_big[0]}: the world has only {env.world_size} "
-             f"rank{'s' * (env.world_size > 1)}"
-             + (", and is measured whole anyway" if too_big[0] == env.world_size else ""))
+    n = env.world_size
+    if any(k > n for k in sizes):
+        fail(f"--sub-worlds {max(sizes)}: the world has only {n} rank{'s' * (n > 1)}")
+    if n in sizes:
+        fail(f"--sub-worlds {n}: that is the whole world, measured anyway; "
+             + (f"give sizes below {n}" if n > 1 else "a world of one has no smaller one"))
     if check:
         for size in [env.world_size, *sizes]:
             check(size)
