@@ -59,7 +59,7 @@ handoff_latency_step_max_s: None where the ranks ran on several hosts or no stag
 already waiting when its input was sent),
 predicted_bubble_fraction_with_handoff (the step's critical path through its ops as they
 ran, joined by the median handoff) and predicted_bubble_fraction_with_handoff_range (by
-the smallest and largest), peak_microbatches_in_flight and
+the range's bottom and top), peak_microbatches_in_flight and
 predicted_peak_microbatches_in_flight (one per stage; a micro-batch is held from its
 forward until its W or whole backward), p2p_bytes_per_rank and
 predicted_p2p_bytes_per_rank (one per rank), ops_over_compute_ms, profile (rank 0's trace
@@ -313,8 +313,8 @@ def run_one(name, shape, m, args, env, expected, handoffs, profile=False):
     # instead, torch's interleaved and zero-bubble schedules came out above what they
     # measured (by up to 0.03 of the step at p = 3 and m = 6, two cores), so the walk does
     # not follow their waits closely enough to bound them from below
-    handoff = ((statistics.median(handoffs), 0.0, max(max(handoffs) + late, longest))
-               if handoffs else (0.0, 0.0, max(late, longest)))
+    handoff = (statistics.median(handoffs) if handoffs else 0.0, 0.0,
+               max(max(handoffs, default=0.0) + late, longest))
     with_handoff = [time_model.pipeline_bubble_with_handoff(orders, durations, latency,
                                                             before_input, busy)
                     for latency in handoff]
@@ -385,10 +385,9 @@ def deadlock_grace_s(args, device):
 
 
 def bubble_bounds(result):
-    """(lowest, highest) bubble a schedule's `result` may measure: the prediction with
-    no handoff, and with the handoff at the longest handoff the
-    step showed (or the largest sample plus the step's latest wake-up, if longer),
-    widened by BUBBLE_MARGIN. What a busy machine adds shows in those, even load that came
+    """(lowest, highest) bubble a schedule's `result` may measure: the prediction with no
+    handoff, and with the longest handoff the step showed (or the largest sample plus the
+    step's latest wake-up, if longer), widened by BUBBLE_MARGIN. What a busy machine adds shows in those, even load that came
     after the samples, so the bounds widen with the same run's own spread, not with a
     constant chosen for one machine."""
     low, high = result["predicted_bubble_fraction_with_handoff_range"]

@@ -16,8 +16,8 @@ reports no bus bandwidth (null), since nothing crosses a link.
                   ring and dist.all_reduce alternating, --repeats timed samples per size,
                   each sample the operation repeated back to back for about 20 ms
   --sub-worlds LIST  then the same again on the first k ranks alone, for each k below the
-                  world's size (e.g. 2), largest first: a world of k inside this launch, on its own process
-                  group, while the other ranks wait (asleep in a gloo barrier)
+                  world's size (e.g. 2), largest first: a world of k inside this launch,
+                  on its own process group, while the other ranks wait (asleep in a gloo barrier)
 
 Launch lines (from the repository root):
   laptop, gloo on CPU:  torchrun --standalone --nproc_per_node=4 labs/ring_allreduce.py --sizes 4K,1M,16M

@@ -11,8 +11,8 @@ taken apart into compute and communication, and set against the step-time model.
 Both options take a comma-separated list (or all): every combination runs in the same
 launch, one after another, and the link is fitted once for all of them.
   --sub-worlds LIST  then all of it again on the first k ranks alone, for each k below the
-                  world's size (e.g. 2,1), largest first: a world of k inside this launch, on its own process
-                  group, while the other ranks wait (asleep in a gloo barrier)
+                  world's size (e.g. 2,1), largest first: a world of k inside this launch,
+                  on its own process group, while the other ranks wait (asleep in a gloo barrier)
 
 Measured, all ranks at once, each time the slowest rank's:
   step_time_s      median of --steps timed steps after --warmup; its spread is between

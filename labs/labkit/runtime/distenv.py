@@ -381,7 +381,7 @@ def measure_with_sub_worlds(env, sizes, measure, check=None):
         fail(f"--sub-worlds {n}: that is the whole world, measured anyway; "
              + (f"give sizes below {n}" if n > 1 else "a world of one has no smaller one"))
     if check:
-        for size in [env.world_size, *sizes]:
+        for size in [n, *sizes]:
             check(size)
     groups, done = sub_worlds(sizes)
     result = measure(env)
