@@ -115,7 +115,7 @@ PYTEST_PAGES = $(BIN)/python -m pytest tests/book -rs -n 2 --dist loadfile --dur
 htmlcheck: venv pyodide
 	$(PYTEST_PAGES)
 
-# make test's checks after the book: the labs' tests and the page checks side by side, since
+# make checks, on a built book: the labs' tests and the page checks side by side, since
 # both wait more than they compute (a lab's ranks on their peers, a browser on its pages;
 # one after the other they left a core idle half the time), the page checks' output printed
 # once they end. The `timed` tests then run without the browser beside them: the bubble
@@ -159,10 +159,31 @@ $(MATHJAX)/tex-mml-chtml.js: _config.yml | $(BIN)/activate
 		rm -rf $(VENV)/package; \
 	else echo "npm not found: no local MathJax, so no offline site"; fi
 
+# make test runs the same checks, but starts the labs' tests as soon as the chapters have
+# executed and the unit has been measured again (book/_ext/chapter_times.py writes
+# CHAPTERS_EXECUTED then), while Sphinx writes the pages on one core (8 to 10 s here), and the
+# page checks once the book is built: the labs' tests need nothing the build writes. Their
+# output is printed when they end, the page checks' after it; a book that fails to build
+# still has its labs tested, and its pages left unchecked.
+CHAPTERS_EXECUTED = _build/.chapters_executed
+LABS_LOG = _build/pytest.log
 # Where npm is present, the site the tests check is the one that reads offline
 test: OFFLINE = $(if $(shell command -v npm),1)
-test: test-start book checks
-	@$(BIN)/python scripts/make_test_units.py
+test: test-start venv pyodide
+	@mkdir -p _build; rm -f $(CHAPTERS_EXECUTED); \
+	BOOK_CHAPTERS_EXECUTED=$(abspath $(CHAPTERS_EXECUTED)) \
+		$(MAKE) --no-print-directory book OFFLINE=$(OFFLINE) & book=$$!; \
+	while [ ! -f $(CHAPTERS_EXECUTED) ] && kill -0 $$book 2>/dev/null; do sleep 1; done; \
+	$(PYTEST_LABS) -m "not timed" --durations=15 > $(LABS_LOG) 2>&1 & labs=$$!; \
+	wait $$book; book=$$?; pages=1; \
+	if [ $$book -eq 0 ]; then $(PYTEST_PAGES) > $(PAGES_LOG) 2>&1; pages=$$?; fi; \
+	wait $$labs; labs=$$?; \
+	echo "== the labs' tests, started once the chapters had executed:"; cat $(LABS_LOG); \
+	if [ $$book -eq 0 ]; then echo "== the page checks, run beside them:"; cat $(PAGES_LOG); \
+	else echo "== no page checks: the book did not build"; fi; \
+	$(PYTEST_TWO) $(TIMED_FILES) -m timed; timed=$$?; \
+	$(BIN)/python scripts/make_test_units.py; \
+	test $$book -eq 0 -a $$labs -eq 0 -a $$pages -eq 0 -a $$timed -eq 0
 
 # the start of `make test`, before the environment exists: its units are counted from here
 test-start:
