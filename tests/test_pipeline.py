@@ -26,7 +26,7 @@ SHAPE = pipeline.SHAPE
 # the launch under controlled time (the result fixture's p = 3) is marked: every test of it
 # is `-m timed`, so that the launch runs once, in the phase that runs the timed tests alone
 ALONE = pytest.mark.timed
-COMPUTE_MS = 10
+COMPUTE_MS = 5   # ms per controlled forward, as the chapter runs it
 TIMED = ["--compute-ms", COMPUTE_MS]
 # p -> (micro-batch counts, options): one launch per p, every schedule, m = 1 and m >= p;
 # one process times the real computation, the others run under controlled time
