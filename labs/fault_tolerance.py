@@ -26,9 +26,10 @@ The groups are processes forked from this one once torch and torchft are importe
 the environment torchrun would give a rank: import_s is what that import costs a group
 started afresh, and is not in heal_s. Each group hosts its own store on 127.0.0.1 (the
 Manager joins it, as it joins torchrun's), everything it advertises is 127.0.0.1, and gloo
-uses the loopback interface. torchft 0.2's Manager server listens on [::] (its own code,
-torchft/manager.py). On a cluster the groups must reach the lighthouse and each other's
-manager port, store and collectives, and each group advertises its node's address: the
+uses the loopback interface. torchft 0.2's Manager would start its server on [::], every
+address (torchft/manager.py): the lab starts it on --hostname's address alone. On a
+cluster the groups must reach the lighthouse and each other's manager port, store and
+collectives, and each group advertises its node's address: the
 Manager joins torchrun's store at MASTER_ADDR, which --standalone would make localhost.
 
 Launch lines (from the repository root):
@@ -160,6 +161,20 @@ def loopback_store():
                          use_libuv=False)
 
 
+def manager_server_on(host):
+    """torchft 0.2's Manager starts its server on every address of the machine, with no
+    option to choose (manager.py: bind = f"[::]:{port}"): its group's Managers start it on
+    `host` alone, the address the group advertises (--hostname), on the port torchft chose
+    (TORCHFT_MANAGER_PORT, or one of the OS's)."""
+    import torchft.manager
+    start_server, address = torchft.manager.ManagerServer, socket.gethostbyname(host)
+
+    def on_host(*, bind, **options):
+        return start_server(bind=f"{address}:{bind.rsplit(':', 1)[1]}", **options)
+
+    torchft.manager.ManagerServer = on_host
+
+
 def tensor_bytes(state):
     """Bytes of the tensors in a state, as PGTransport sends them (whole storages)."""
     return sum(t.untyped_storage().nbytes() for t in tree_leaves(state)
@@ -247,6 +262,7 @@ def train_group(args, spec, env, end, emit, store_addr, store_port, folder):
 
     timeout = datetime.timedelta(seconds=args.collective_timeout)
     pg = timed_process_group(env.backend, timeout, emit)
+    manager_server_on(args.hostname)
     try:
         manager = Manager(
             pg=pg, min_replica_size=1, load_state_dict=load, state_dict=state,
