@@ -29,8 +29,8 @@ Manager joins it, as it joins torchrun's), everything it advertises is 127.0.0.1
 uses the loopback interface. torchft 0.2's Manager would start its server on [::], every
 address (torchft/manager.py): the lab starts it on --hostname's address alone. On a
 cluster the groups must reach the lighthouse and each other's manager port, store and
-collectives, and each group advertises its node's address: the
-Manager joins torchrun's store at MASTER_ADDR, which --standalone would make localhost.
+collectives, and each group advertises its node's address: the Manager joins torchrun's
+store at MASTER_ADDR, which --standalone would make localhost.
 
 Launch lines (from the repository root):
   laptop, gloo on CPU:  python labs/fault_tolerance.py --out ft.json

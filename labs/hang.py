@@ -105,8 +105,6 @@ def guarded(what, collective, env):
         told = " ".join(str(error).split())
         # DETAIL's fingerprints: keep the op, the shapes and the dtypes, not the options
         told = re.sub(r", TensorDeviceTypes=TensorOptions\(.*?\)\)\)", ")", told)[:600]
-        # the others wait out the same timeout: staying a moment after the line lets a
-        # peer whose wait ended a little later say its own before torchrun stops it
         distenv.fail(f"rank {env.rank}: {what} ended after "
                      f"{time.perf_counter() - started:.1f} s: {told}", every_rank=True,
                      linger_s=PEERS_LINE_S)

@@ -54,9 +54,8 @@ time_model.zero_bubble_bubble_fraction),
 handoff_latency_s and handoff_latency_range_s (the median of this launch's handoff
 samples; the range's bottom, 0, no handoff at all; its top, the longer of the largest
 sample plus the latest wake-up of the step's own ops and the longest handoff the step
-itself showed,
-handoff_latency_step_max_s: None where the ranks ran on several hosts or no stage was
-already waiting when its input was sent),
+itself showed, handoff_latency_step_max_s: None where the ranks ran on several hosts or no
+stage was already waiting when its input was sent),
 predicted_bubble_fraction_with_handoff (the step's critical path through its ops as they
 ran, joined by the median handoff) and predicted_bubble_fraction_with_handoff_range (by
 the range's bottom and top), peak_microbatches_in_flight and
@@ -387,9 +386,9 @@ def deadlock_grace_s(args, device):
 def bubble_bounds(result):
     """(lowest, highest) bubble a schedule's `result` may measure: the prediction with no
     handoff, and with the longest handoff the step showed (or the largest sample plus the
-    step's latest wake-up, if longer), widened by BUBBLE_MARGIN. What a busy machine adds shows in those, even load that came
-    after the samples, so the bounds widen with the same run's own spread, not with a
-    constant chosen for one machine."""
+    step's latest wake-up, if longer), widened by BUBBLE_MARGIN. What a busy machine adds
+    shows in those, even load that came after the samples, so the bounds widen with the
+    same run's own spread, not with a constant chosen for one machine."""
     low, high = result["predicted_bubble_fraction_with_handoff_range"]
     return low - BUBBLE_MARGIN, high + BUBBLE_MARGIN
 
