@@ -66,9 +66,9 @@ def fork_launch():
     def start(command, env):
         return _launcher.start(command, env, launch.REPO_DIR) or launch._popen(command, env)
 
-    launch.start_process = start
+    usual_start, launch.start_process = launch.start_process, start
     yield _launcher
-    launch.start_process = launch._popen
+    launch.start_process = usual_start
     _launcher = None
 
 

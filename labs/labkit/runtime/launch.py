@@ -9,8 +9,14 @@ type, streams the lab's output as it comes (labs print on rank 0 only, so that s
 and returns the JSON the lab wrote. When the lab fails, it raises `LabError` with the lab's
 own error output, so the notebook cell, the book build and the test fail visibly. A bare
 `!torchrun ...` cell would not: its exit status is ignored.
+
+In a notebook's kernel the agent of a single-node launch is a Python started when the
+previous launch ended, which imported torch while the kernel went on
+(labkit.runtime.spare_agent); it then runs torchrun as `-m` does, and its ranks start
+afresh as always.
 """
 
+import atexit
 import json
 import os
 import re
@@ -23,6 +29,8 @@ import tempfile
 import threading
 import uuid
 from pathlib import Path
+
+from .spare_agent import SpareAgent
 
 LABS_DIR = Path(__file__).resolve().parents[2]   # labs/, where the lab scripts are
 REPO_DIR = LABS_DIR.parent
@@ -101,7 +109,11 @@ def run_lab(lab, nproc=1, args=(), *, nnodes=1, max_restarts=0, env=None,
         restarts = [f"--max-restarts={max_restarts}"] if max_restarts else []
         commands = [[sys.executable, *launcher, *restarts, str(script), *args, "--out", str(out)]
                     for launcher in _launchers(lab, nproc, nnodes)]
-        returncode, lines = _run_streaming(commands, lab_environment(extra_env), timeout, echo)
+        try:
+            returncode, lines = _run_streaming(commands, lab_environment(extra_env), timeout,
+                                               echo)
+        finally:
+            _keep_spare()   # while the caller reads this result, the next agent imports torch
         if returncode != 0:
             raise LabError(_failure_message(lab, nproc, returncode, lines),
                            returncode, "".join(lines))
@@ -149,10 +161,49 @@ def _popen(command, env):
                             text=True, env=env, cwd=REPO_DIR, start_new_session=True)
 
 
+def keep_a_spare_agent():
+    """From now on, have a torchrun agent ready before each launch, torch imported
+    (labkit.runtime.spare_agent): the next single-node launch starts its ranks about a
+    second sooner. The chapters' helper (labkit.runtime.notebook) turns it on."""
+    global _spares_on
+    _spares_on = True
+    _keep_spare()
+
+
+_spares_on = False
+_spare = None
+
+
+def _keep_spare():
+    global _spare
+    if _spares_on and (_spare is None or not _spare.alive()):
+        _spare = SpareAgent(lab_environment({}), REPO_DIR)
+
+
+@atexit.register
+def _drop_spare():
+    """End the spare with its kernel at once: left alone it would finish importing torch
+    first, beside whatever the machine runs next."""
+    global _spare
+    if _spare is not None:
+        _kill_group(_spare.process)
+        _spare.process.wait()
+        _spare = None
+
+
+def _start(command, env):
+    """`command` in the spare agent when one is on and can run it, else as a new process."""
+    global _spare
+    if _spare is not None and (process := _spare.run(command, env, REPO_DIR)) is not None:
+        _spare = None
+        return process
+    return _popen(command, env)
+
+
 # How a command starts. The test suite puts its own here (tests/conftest.py): one that
 # forks the labs from a process that has imported torch already, a few CPU-seconds less
 # per process; whatever it returns has Popen's pid (a process group), poll, wait and stdout.
-start_process = _popen
+start_process = _start
 
 
 def _run_streaming(commands, env, timeout, echo):

@@ -1,0 +1,67 @@
+"""The chapters' spare torchrun agent (labkit.runtime.spare_agent): a launch it takes runs as
+`python -m torch.distributed.run` runs it, with the launch's own arguments and environment;
+it refuses what it was not started for; it ends when its kernel does; and through run_lab
+a failing lab still fails with its own line while the next spare is already on its way.
+Real processes: the test suite's forked launches are not what a chapter runs."""
+
+import sys
+
+import pytest
+
+from labkit.runtime import launch
+from labkit.runtime.launch import LabError, run_lab
+from labkit.runtime.spare_agent import SpareAgent
+
+AGENT = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+PROBE = """import os
+print("probe", os.environ["PROBE"], os.environ["RANK"], os.environ["WORLD_SIZE"], os.getppid())
+"""
+
+
+def test_a_spare_runs_torchrun_with_the_launchs_arguments_and_environment(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    env = launch.lab_environment({})
+    spare = SpareAgent(env, tmp_path)
+    # an odd world; a variable the spare did not start with reaches every rank
+    process = spare.run([*AGENT, "--nproc_per_node=3", str(probe)], {**env, "PROBE": "seen"},
+                        tmp_path)
+    assert process is spare.process
+    output = process.stdout.read()   # its stdin is closed: the request was its one line
+    assert process.wait(timeout=120) == 0, output
+    lines = sorted(line.split() for line in output.splitlines() if line.startswith("probe"))
+    # each rank a child of the spare, which ran as torchrun's agent
+    assert lines == [["probe", "seen", str(rank), "3", str(process.pid)] for rank in range(3)]
+
+
+def test_a_spare_refuses_what_it_was_not_started_for_and_ends_with_its_kernel(tmp_path):
+    env = launch.lab_environment({"OMP_NUM_THREADS": "1"})
+    spare = SpareAgent(env, tmp_path)
+    agent = [*AGENT, "--nproc_per_node=2", "lab.py"]
+    assert spare.run(agent, {**env, "OMP_NUM_THREADS": "2"}, tmp_path) is None   # read at import
+    assert spare.run(agent, {**env, "PYTHONHASHSEED": "1"}, tmp_path) is None    # read at start
+    assert spare.run([sys.executable, "lab.py"], env, tmp_path) is None         # not torchrun
+    assert spare.run(agent, env, tmp_path / "elsewhere") is None
+    assert spare.alive()
+    spare.process.stdin.close()   # what the kernel's exit does to the spare's stdin
+    assert spare.process.wait(timeout=60) == 0
+
+
+@pytest.fixture
+def spares(monkeypatch):
+    """run_lab as a chapter's kernel has it: real processes, a spare kept."""
+    monkeypatch.setattr(launch, "start_process", launch._start)
+    monkeypatch.setattr(launch, "_spare", None)
+    launch.keep_a_spare_agent()
+    yield
+    launch._spares_on = False
+    launch._drop_spare()
+
+
+def test_a_lab_failing_in_the_spare_fails_with_its_own_line(spares):
+    spare = launch._spare
+    with pytest.raises(LabError) as error:
+        run_lab("hang", 2, ["--rank", 5], echo=False)
+    assert "hang: error: --rank 5 is not a rank of a world of 2" in str(error.value)
+    assert spare.process.returncode not in (None, 0)   # the spare was the agent, and failed
+    assert launch._spare is not None and launch._spare is not spare   # the next one waits
