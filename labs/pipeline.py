@@ -21,15 +21,17 @@ that trains the whole model on the whole batch.
   torch_dualpipev    its ScheduleDualPipeV (DeepSeek's DualPipe cut in half), the same V;
                      m >= 2p
   no_loss_scale      pitfall: gpipe with each micro-batch's loss not divided by m
-  recv_before_send   pitfall: each stage waits for a micro-batch's gradient before sending
-                     its activations: a deadlock, ended by --p2p-timeout with one line
+  recv_before_send   pitfall: each stage receives before it sends (a gradient its own
+                     activations lead to, or, on the last, activations not yet sent): a
+                     deadlock, ended by --p2p-timeout with one line
 
 Each forward and backward of a micro-batch on each stage is timed, and where a schedule
 splits the backward, its I and its W apart. With --compute-ms T every forward lasts
 exactly T ms, every whole backward 2T, and every I and every W T (the real work, then a
 sleep; a rank's v pieces each take 1/v of that): a controlled-time experiment, in which
-the schedule alone sets the timeline, whatever the CPU is doing. Without it the timeline
-is that of the real computation, which on a shared CPU is not a GPU's.
+the ops' lengths no longer depend on the CPU, unless an op's real work overruns T (those
+ops are counted); the handoffs between stages still add their latency. Without it the
+timeline is that of the real computation, which on a shared CPU is not a GPU's.
 
 Launch lines (from the repository root):
   laptop, gloo on CPU:  torchrun --standalone --nproc_per_node=4 labs/pipeline.py \\
@@ -61,7 +63,8 @@ ran, joined by the median handoff) and predicted_bubble_fraction_with_handoff_ra
 the range's bottom and top), peak_microbatches_in_flight and
 predicted_peak_microbatches_in_flight (one per stage; a micro-batch is held from its
 forward until its W or whole backward), p2p_bytes_per_rank and
-predicted_p2p_bytes_per_rank (one per rank), ops_over_compute_ms, profile (rank 0's trace
+predicted_p2p_bytes_per_rank (one per rank), ops_over_compute_ms (how many ops overran
+--compute-ms), profile (rank 0's trace
 with --profile, else null)}, or {not_run: why} for a torch schedule that could not run
 on this box} for the first
 --microbatches value, and `timeline` {name: [{stage, op, microbatch, chunk, piece,
