@@ -2,6 +2,8 @@
 timeouts, one-line errors."""
 
 import ast
+import time
+import uuid
 import json
 import re
 from pathlib import Path
@@ -131,6 +133,32 @@ def test_launcher_raises_with_the_labs_own_error():
     # the line heads the message, above torchrun's report and its ChildFailedError
     heading = str(error.value).split("Its output")[0]
     assert line in heading and "ChildFailedError" not in heading
+
+
+def test_a_launch_past_its_timeout_ends_with_its_ranks(monkeypatch):
+    """torchrun starts each rank in a session of its own: the launcher's timeout must end
+    them too, not only the agent's group (else it waits on their output until their own
+    timeouts). Real processes: the suite's forked ranks share their agent's session."""
+    monkeypatch.setattr(launch, "start_process", launch._popen)
+    mark = f"launch-timeout-{uuid.uuid4().hex}"
+    start = time.monotonic()
+    with pytest.raises(LabError, match="killed after 6 s"):   # a rank sleeps outside any
+        run_lab("hang", 2, ["--mode", "sleep", "--timeout", 120],   # collective, its peer
+                env={"LABS_TEST_MARK": mark}, timeout=6, echo=False)   # waits in one
+    assert time.monotonic() - start < 30
+    assert not processes_with(f"LABS_TEST_MARK={mark}")
+
+
+def processes_with(variable):
+    """The pids of this user's live processes whose environment holds `variable`."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if variable.encode() in environ.read_bytes().split(b"\0"):
+                found.append(int(environ.parent.name))
+        except OSError:
+            pass
+    return found
 
 
 def test_launcher_rejects_an_unknown_lab():

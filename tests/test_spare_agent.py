@@ -14,7 +14,8 @@ from labkit.runtime.spare_agent import SpareAgent
 
 AGENT = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 PROBE = """import os
-print("probe", os.environ["PROBE"], os.environ["RANK"], os.environ["WORLD_SIZE"], os.getppid())
+print("probe", os.environ["PROBE"], os.environ.get("SPARE_ONLY", "-"), os.environ["RANK"],
+      os.environ["WORLD_SIZE"], os.getppid())
 """
 
 
@@ -22,8 +23,9 @@ def test_a_spare_runs_torchrun_with_the_launchs_arguments_and_environment(tmp_pa
     probe = tmp_path / "probe.py"
     probe.write_text(PROBE)
     env = launch.lab_environment({})
-    spare = SpareAgent(env, tmp_path)
-    # an odd world; a variable the spare did not start with reaches every rank
+    spare = SpareAgent({**env, "SPARE_ONLY": "1"}, tmp_path)
+    # an odd world; a variable the spare did not start with reaches every rank, and one
+    # the launch does not set is gone
     process = spare.run([*AGENT, "--nproc_per_node=3", str(probe)], {**env, "PROBE": "seen"},
                         tmp_path)
     assert process is spare.process
@@ -31,7 +33,8 @@ def test_a_spare_runs_torchrun_with_the_launchs_arguments_and_environment(tmp_pa
     assert process.wait(timeout=120) == 0, output
     lines = sorted(line.split() for line in output.splitlines() if line.startswith("probe"))
     # each rank a child of the spare, which ran as torchrun's agent
-    assert lines == [["probe", "seen", str(rank), "3", str(process.pid)] for rank in range(3)]
+    assert lines == [["probe", "seen", "-", str(rank), "3", str(process.pid)]
+                     for rank in range(3)]
 
 
 def test_a_spare_refuses_what_it_was_not_started_for_and_ends_with_its_kernel(tmp_path):
@@ -40,6 +43,7 @@ def test_a_spare_refuses_what_it_was_not_started_for_and_ends_with_its_kernel(tm
     agent = [*AGENT, "--nproc_per_node=2", "lab.py"]
     assert spare.run(agent, {**env, "OMP_NUM_THREADS": "2"}, tmp_path) is None   # read at import
     assert spare.run(agent, {**env, "PYTHONHASHSEED": "1"}, tmp_path) is None    # read at start
+    assert spare.run(agent, {**env, "LOGLEVEL": "INFO"}, tmp_path) is None       # torchelastic's
     assert spare.run([sys.executable, "lab.py"], env, tmp_path) is None         # not torchrun
     assert spare.run(agent, env, tmp_path / "elsewhere") is None
     assert spare.alive()
@@ -64,4 +68,7 @@ def test_a_lab_failing_in_the_spare_fails_with_its_own_line(spares):
         run_lab("hang", 2, ["--rank", 5], echo=False)
     assert "hang: error: --rank 5 is not a rank of a world of 2" in str(error.value)
     assert spare.process.returncode not in (None, 0)   # the spare was the agent, and failed
-    assert launch._spare is not None and launch._spare is not spare   # the next one waits
+    following = launch._spare   # the next one waits
+    assert following is not None and following is not spare and following.alive()
+    launch._drop_spare()   # as the kernel exits
+    assert following.process.returncode is not None and launch._spare is None

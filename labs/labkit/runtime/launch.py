@@ -186,7 +186,8 @@ def _drop_spare():
     first, beside whatever the machine runs next."""
     global _spare
     if _spare is not None:
-        _kill_group(_spare.process)
+        if _spare.alive():   # a process reaped already may have left its number to another
+            _kill_group(_spare.process)
         _spare.process.wait()
         _spare = None
 
@@ -257,10 +258,44 @@ class _Killer:
 
 
 def _kill_group(proc):
+    """Kill a launch: its process group and every process below it. torchrun starts each
+    rank in a session of its own, so killing the agent's group alone would leave the ranks
+    running (and holding the output pipe open until their own timeouts end them). The
+    group is stopped first, so that no agent starts a rank while the tree is read."""
+    _signal_group(proc.pid, signal.SIGSTOP)
+    for pid in _descendants(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    _signal_group(proc.pid, signal.SIGKILL)
+
+
+def _signal_group(pgid, sig):
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(pgid, sig)
     except ProcessLookupError:
         pass
+
+
+def _descendants(pid):
+    """The processes `pid` started, and those they started, read from /proc (Linux; none
+    found elsewhere, where the group alone is killed)."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:   # it ended meanwhile
+            continue
+        # after the command's name, which may hold spaces, come the state, then the parent
+        parent = int(text[text.rindex(")") + 2:].split()[1])
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def _failure_message(lab, nproc, returncode, lines):

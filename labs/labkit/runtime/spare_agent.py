@@ -25,9 +25,10 @@ import json
 import subprocess
 import sys
 
-# Read by Python, torch, OpenMP or MKL as they start: a spare started with other values
-# would not be the process the launch asks for.
-IMPORT_TIME = ("PYTHON", "OMP_", "MKL_", "KMP_", "TORCH", "PYTORCH", "CUDA", "LD_")
+# Read by Python, torch, OpenMP or MKL as they start (LOGLEVEL: torchelastic's loggers, as
+# its modules are imported): a spare started with other values would not be the process
+# the launch asks for.
+IMPORT_TIME = ("PYTHON", "OMP_", "MKL_", "KMP_", "TORCH", "PYTORCH", "CUDA", "LD_", "LOGLEVEL")
 AGENT = ["-m", "torch.distributed.run"]
 
 # What the spare runs: torch imported (torch.distributed.launcher.api is what torchrun's
