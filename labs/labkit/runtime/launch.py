@@ -10,10 +10,10 @@ and returns the JSON the lab wrote. When the lab fails, it raises `LabError` wit
 own error output, so the notebook cell, the book build and the test fail visibly. A bare
 `!torchrun ...` cell would not: its exit status is ignored.
 
-In a notebook's kernel the agent of a single-node launch is a Python started when the
-previous launch ended, which imported torch while the kernel went on
-(labkit.runtime.spare_agent); it then runs torchrun as `-m` does, and its ranks start
-afresh as always.
+In a notebook's kernel a launch's first process (torchrun's agent, or a lab run as one
+process) is a Python started when the previous launch ended, which imported torch while
+the kernel went on (labkit.runtime.spare_python); it then runs the command as Python
+would, and torchrun's ranks start afresh as always.
 """
 
 import atexit
@@ -30,7 +30,7 @@ import threading
 import uuid
 from pathlib import Path
 
-from .spare_agent import SpareAgent
+from .spare_python import SparePython
 
 LABS_DIR = Path(__file__).resolve().parents[2]   # labs/, where the lab scripts are
 REPO_DIR = LABS_DIR.parent
@@ -161,10 +161,11 @@ def _popen(command, env):
                             text=True, env=env, cwd=REPO_DIR, start_new_session=True)
 
 
-def keep_a_spare_agent():
-    """From now on, have a torchrun agent ready before each launch, torch imported
-    (labkit.runtime.spare_agent): the next single-node launch starts its ranks about a
-    second sooner. The chapters' helper (labkit.runtime.notebook) turns it on."""
+def keep_a_spare_python():
+    """From now on, have a Python ready before each launch, torch imported
+    (labkit.runtime.spare_python): the next launch's agent starts its ranks, or a lab
+    run as one process its work, about a second sooner. The chapters' helper
+    (labkit.runtime.notebook) turns it on."""
     global _spares_on
     _spares_on = True
     _keep_spare()
@@ -177,7 +178,7 @@ _spare = None
 def _keep_spare():
     global _spare
     if _spares_on and (_spare is None or not _spare.alive()):
-        _spare = SpareAgent(lab_environment({}), REPO_DIR)
+        _spare = SparePython(lab_environment({}), REPO_DIR)
 
 
 @atexit.register
@@ -193,7 +194,7 @@ def _drop_spare():
 
 
 def _start(command, env):
-    """`command` in the spare agent when one is on and can run it, else as a new process."""
+    """`command` in the spare Python when one is on and can run it, else as a new process."""
     global _spare
     if _spare is not None and (process := _spare.run(command, env, REPO_DIR)) is not None:
         _spare = None

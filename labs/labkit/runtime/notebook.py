@@ -28,15 +28,15 @@ from myst_nb import glue as _myst_glue
 
 from . import references
 from .launch import LABS_DIR as LABS
-from .launch import LabError, keep_a_spare_agent, run_lab
+from .launch import LabError, keep_a_spare_python, run_lab
 
 __all__ = ["LABS", "Markdown", "lab_failure", "format_bytes", "format_percent", "format_seconds", "glue",
            "gpu_references", "np", "plt", "run_lab", "table"]
 
-# In a notebook's kernel, each launch finds a torchrun agent that imported torch while the
-# kernel worked (labkit.runtime.spare_agent); a script or a test importing this does not.
+# In a notebook's kernel, each launch finds a Python that imported torch while the kernel
+# worked (labkit.runtime.spare_python); a script or a test importing this does not.
 if getattr(get_ipython(), "kernel", None) is not None:
-    keep_a_spare_agent()
+    keep_a_spare_python()
 
 # A 6-inch figure at 144 dots per inch is 864 pixels wide: sharp on a desktop page, and
 # on a phone, shrunk to about 360 pixels, 10.5-point text is still about 9 pixels tall.

@@ -1,5 +1,6 @@
-"""The chapters' spare torchrun agent (labkit.runtime.spare_agent): a launch it takes runs as
-`python -m torch.distributed.run` runs it, with the launch's own arguments and environment;
+"""The chapters' spare Python (labkit.runtime.spare_python): a launch it takes runs as
+`python -m torch.distributed.run` or `python FILE` runs it, with the launch's own arguments
+and environment;
 it refuses what it was not started for; it ends when its kernel does; and through run_lab
 a failing lab still fails with its own line while the next spare is already on its way.
 Real processes: the test suite's forked launches are not what a chapter runs."""
@@ -10,7 +11,7 @@ import pytest
 
 from labkit.runtime import launch
 from labkit.runtime.launch import LabError, run_lab
-from labkit.runtime.spare_agent import SpareAgent
+from labkit.runtime.spare_python import SparePython
 
 AGENT = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 PROBE = """import os
@@ -23,7 +24,7 @@ def test_a_spare_runs_torchrun_with_the_launchs_arguments_and_environment(tmp_pa
     probe = tmp_path / "probe.py"
     probe.write_text(PROBE)
     env = launch.lab_environment({})
-    spare = SpareAgent({**env, "SPARE_ONLY": "1"}, tmp_path)
+    spare = SparePython({**env, "SPARE_ONLY": "1"}, tmp_path)
     # an odd world; a variable the spare did not start with reaches every rank, and one
     # the launch does not set is gone
     process = spare.run([*AGENT, "--nproc_per_node=3", str(probe)], {**env, "PROBE": "seen"},
@@ -37,14 +38,34 @@ def test_a_spare_runs_torchrun_with_the_launchs_arguments_and_environment(tmp_pa
                      for rank in range(3)]
 
 
+def test_a_spare_runs_a_file_as_python_does(tmp_path):
+    """`python FILE args`: the file as __main__, its arguments, its folder first on the path
+    (a module beside it imports), the launch's environment."""
+    labs = tmp_path / "labs"   # not the working directory: only the file's folder finds beside
+    labs.mkdir()
+    (labs / "beside.py").write_text("WHERE = 'beside'\n")
+    (labs / "lab.py").write_text(
+        "import os, sys\nimport beside\n"
+        "print('ran', __name__, beside.WHERE, *sys.argv[1:], os.environ['PROBE'])\n")
+    env = launch.lab_environment({})
+    spare = SparePython(env, tmp_path)
+    process = spare.run([sys.executable, str(labs / "lab.py"), "--out", "x.json"],
+                        {**env, "PROBE": "seen"}, tmp_path)
+    assert process is spare.process
+    output = process.stdout.read()
+    assert process.wait(timeout=120) == 0, output
+    assert "ran __main__ beside --out x.json seen" in output.splitlines(), output
+
+
 def test_a_spare_refuses_what_it_was_not_started_for_and_ends_with_its_kernel(tmp_path):
     env = launch.lab_environment({"OMP_NUM_THREADS": "1"})
-    spare = SpareAgent(env, tmp_path)
+    spare = SparePython(env, tmp_path)
     agent = [*AGENT, "--nproc_per_node=2", "lab.py"]
     assert spare.run(agent, {**env, "OMP_NUM_THREADS": "2"}, tmp_path) is None   # read at import
     assert spare.run(agent, {**env, "PYTHONHASHSEED": "1"}, tmp_path) is None    # read at start
     assert spare.run(agent, {**env, "LOGLEVEL": "INFO"}, tmp_path) is None       # torchelastic's
-    assert spare.run([sys.executable, "lab.py"], env, tmp_path) is None         # not torchrun
+    assert spare.run([sys.executable, "-c", "pass"], env, tmp_path) is None     # an option
+    assert spare.run(["/usr/bin/python3", "lab.py"], env, tmp_path) is None     # another Python
     assert spare.run(agent, env, tmp_path / "elsewhere") is None
     assert spare.alive()
     spare.process.stdin.close()   # what the kernel's exit does to the spare's stdin
@@ -56,7 +77,7 @@ def spares(monkeypatch):
     """run_lab as a chapter's kernel has it: real processes, a spare kept."""
     monkeypatch.setattr(launch, "start_process", launch._start)
     monkeypatch.setattr(launch, "_spare", None)
-    launch.keep_a_spare_agent()
+    launch.keep_a_spare_python()
     yield
     launch._spares_on = False
     launch._drop_spare()
