@@ -14,9 +14,12 @@ from labkit.runtime.launch import LabError, run_lab
 from labkit.runtime.spare_python import SparePython
 
 AGENT = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+# one write per line: the ranks share the pipe, and print() unbuffered writes the line and
+# its newline apart, so that two ranks' lines could run into one
 PROBE = """import os
-print("probe", os.environ["PROBE"], os.environ.get("SPARE_ONLY", "-"), os.environ["RANK"],
-      os.environ["WORLD_SIZE"], os.getppid())
+words = ["probe", os.environ["PROBE"], os.environ.get("SPARE_ONLY", "-"), os.environ["RANK"],
+         os.environ["WORLD_SIZE"], str(os.getppid())]
+os.write(1, (" ".join(words) + "\\n").encode())
 """
 
 
