@@ -113,7 +113,8 @@ def run_lab(lab, nproc=1, args=(), *, nnodes=1, max_restarts=0, env=None,
             returncode, lines = _run_streaming(commands, lab_environment(extra_env), timeout,
                                                echo)
         finally:
-            _keep_spare()   # while the caller reads this result, the next agent imports torch
+            # while the caller reads this result, the next launch's Python imports torch
+            _keep_spare()
         if returncode != 0:
             raise LabError(_failure_message(lab, nproc, returncode, lines),
                            returncode, "".join(lines))
