@@ -27,7 +27,8 @@ the environment torchrun would give a rank: import_s is what that import costs a
 started afresh, and is not in heal_s. Each group hosts its own store on 127.0.0.1 (the
 Manager joins it, as it joins torchrun's), everything it advertises is 127.0.0.1, and gloo
 uses the loopback interface. torchft 0.2's Manager would start its server on [::], every
-address (torchft/manager.py): the lab starts it on --hostname's address alone. On a
+address (torchft/manager.py): the lab starts it on --hostname's address alone when that is
+an IPv4 address (give the node's IP on a cluster; a name keeps torchft's bind). On a
 cluster the groups must reach the lighthouse and each other's manager port, store and
 collectives, and each group advertises its node's address: the Manager joins torchrun's
 store at MASTER_ADDR, which --standalone would make localhost.
@@ -76,6 +77,7 @@ STARTED = time.monotonic()   # before torch: what importing it costs a fresh pro
 import argparse   # noqa: E402
 import dataclasses   # noqa: E402
 import datetime   # noqa: E402
+import ipaddress   # noqa: E402
 import json   # noqa: E402
 import logging   # noqa: E402
 import multiprocessing   # noqa: E402
@@ -163,11 +165,20 @@ def loopback_store():
 
 def manager_server_on(host):
     """torchft 0.2's Manager starts its server on every address of the machine, with no
-    option to choose (manager.py: bind = f"[::]:{port}"): its group's Managers start it on
-    `host` alone, the address the group advertises (--hostname), on the port torchft chose
-    (TORCHFT_MANAGER_PORT, or one of the OS's)."""
+    option to choose (manager.py: bind = f"[::]:{port}"): when the group advertises an IPv4
+    address (--hostname, 127.0.0.1 by default), its Managers start it on that address
+    alone, on the port torchft chose (TORCHFT_MANAGER_PORT, or one of the OS's). A name is
+    left to torchft: the address it has on this host (127.0.1.1 on many Debian hosts) need
+    not be the one the other nodes reach, and a group healing from this one would be
+    refused."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return
+    if address.version != 4:
+        return
     import torchft.manager
-    start_server, address = torchft.manager.ManagerServer, socket.gethostbyname(host)
+    start_server = torchft.manager.ManagerServer
 
     def on_host(*, bind, **options):
         return start_server(bind=f"{address}:{bind.rsplit(':', 1)[1]}", **options)

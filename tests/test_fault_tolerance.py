@@ -258,3 +258,20 @@ def test_per_step_fault_tolerance_keeps_more_than_checkpoint_restart_at_scale():
     assert saving == pytest.approx(live * (1 - 60 / 3600))
     with pytest.raises(ValueError):
         ftm.fault_tolerant_goodput(10, 0.01, 5, 5, 600, 1, mtbf)
+
+
+def test_the_manager_server_binds_the_advertised_ipv4_address_and_a_name_is_left_alone(
+        monkeypatch):
+    """torchft 0.2 binds its manager server to [::]; the lab narrows it to --hostname when
+    that is an IPv4 address, and leaves a name (whose address on this host need not be the
+    one other nodes reach) to torchft."""
+    torchft_manager = pytest.importorskip("torchft.manager")
+    binds = []
+    monkeypatch.setattr(torchft_manager, "ManagerServer", lambda **options: binds.append(options))
+    fault_tolerance.manager_server_on("node.example")
+    fault_tolerance.manager_server_on("::1")
+    torchft_manager.ManagerServer(bind="[::]:0", store_addr="s")
+    fault_tolerance.manager_server_on("127.0.0.1")
+    torchft_manager.ManagerServer(bind="[::]:29512", store_addr="s")
+    assert binds == [{"bind": "[::]:0", "store_addr": "s"},
+                     {"bind": "127.0.0.1:29512", "store_addr": "s"}]
