@@ -188,9 +188,7 @@ def _drop_spare():
     first, beside whatever the machine runs next."""
     global _spare
     if _spare is not None:
-        if _spare.alive():   # a process reaped already may have left its number to another
-            _kill_group(_spare.process)
-        _spare.process.wait()
+        _spare.end()
         _spare = None
 
 

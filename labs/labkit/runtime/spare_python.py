@@ -25,10 +25,13 @@ ended with its kernel (labkit.runtime.launch), or reads the end of its stdin and
 
 `labkit.runtime.launch.keep_a_spare_python()` turns spares on (the chapters' helper,
 labkit.runtime.notebook, does); the unit of the build's budget, a bare launch, is measured
-without one (scripts/book_cache.py).
+without one (scripts/book_cache.py). The book build keeps each chapter's next kernel the same
+way (book/_ext/spare_kernel.py, a subclass that imports ipykernel and runs its launcher).
 """
 
 import json
+import os
+import signal
 import subprocess
 import sys
 
@@ -36,25 +39,24 @@ import sys
 # its modules are imported): a spare started with other values would not be the process
 # the launch asks for.
 IMPORT_TIME = ("PYTHON", "OMP_", "MKL_", "KMP_", "TORCH", "PYTORCH", "CUDA", "LD_", "LOGLEVEL")
-TORCHRUN = ["-m", "torch.distributed.run"]
 
-# What the spare runs: torch imported (torch.distributed.launcher.api is what torchrun's
-# main uses, and imports torch), then the request, then the command as Python runs it:
-# sys.path[0] the working directory for -m, the script's folder for a file, and sys.argv[0]
-# the module's file or the script (runpy sets the first)
+# What the spare runs: its imports (argv), then the request, then the command as Python runs
+# it: sys.path[0] the working directory for -m, the script's folder for a file, and
+# sys.argv[0] the module's file or the script (runpy sets the first)
 _SPARE_CODE = """
-import json, os, runpy, sys
-import torch.distributed.launcher.api
+import importlib, json, os, runpy, sys
+for name in sys.argv[1:]:
+    importlib.import_module(name)
 request = sys.stdin.readline()
 if not request:
     sys.exit(0)
 request = json.loads(request)
 os.environ.clear()
 os.environ.update(request["env"])
-if request["script"] is None:
-    sys.argv = ["torch.distributed.run", *request["args"]]
+if request["module"] is not None:
+    sys.argv = [request["module"], *request["args"]]
     sys.path[0] = os.getcwd()
-    runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
+    runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
 else:
     sys.argv = [request["script"], *request["args"]]
     sys.path[0] = os.path.dirname(os.path.abspath(request["script"]))
@@ -69,33 +71,52 @@ def import_time_variables(env):
 class SparePython:
     """One Python that has imported torch and waits for the command it is to run."""
 
+    # what it imports while it waits (torch.distributed.launcher.api is what torchrun's main
+    # uses, and imports torch), and what it can run: `python -m` one of MODULES, or, when
+    # RUNS_FILES, `python FILE`
+    IMPORTS = ("torch.distributed.launcher.api",)
+    MODULES = ("torch.distributed.run",)
+    RUNS_FILES = True
+
     def __init__(self, env, cwd):
-        self._import_env = import_time_variables(env)
+        self._env = dict(env)
         self._cwd = str(cwd)
+        self.process = self._popen([sys.executable, "-c", _SPARE_CODE, *self.IMPORTS], env, cwd)
+
+    def _popen(self, command, env, cwd):
         # as launch._popen starts a lab: stdout and stderr in one pipe, a session of its own
         # (a timeout kills it and every process it started)
-        self.process = subprocess.Popen([sys.executable, "-c", _SPARE_CODE],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, text=True, env=env,
-                                        cwd=cwd, start_new_session=True)
+        return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd,
+                                start_new_session=True)
+
+    def _starts_alike(self, env):
+        """Whether a Python started with `env` would have imported what this one did."""
+        return import_time_variables(env) == import_time_variables(self._env)
 
     def alive(self):
         return self.process.poll() is None
 
+    def end(self):
+        """Kill it, unless it ended (a process reaped already may have left its number to
+        another), and reap it. One nobody asked for has started nothing of its own."""
+        if self.alive():
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
     def run(self, command, env, cwd):
-        """Hand `command` ([python, "-m", "torch.distributed.run", ...] or [python, FILE,
-        ...]) to the spare and return its process (Popen), or None when the spare cannot
-        run it as asked."""
-        if command[1:3] == TORCHRUN:
-            script, args = None, command[3:]
-        elif len(command) > 1 and not command[1].startswith("-"):
-            script, args = command[1], command[2:]
+        """Hand `command` ([python, "-m", MODULE, ...] or [python, FILE, ...]) to the spare
+        and return its process (Popen), or None when the spare cannot run it as asked."""
+        if command[1:2] == ["-m"] and command[2:3] and command[2] in self.MODULES:
+            module, script, args = command[2], None, command[3:]
+        elif self.RUNS_FILES and len(command) > 1 and not command[1].startswith("-"):
+            module, script, args = None, command[1], command[2:]
         else:
             return None
         if (command[0] != sys.executable or str(cwd) != self._cwd
-                or import_time_variables(env) != self._import_env or not self.alive()):
+                or not self._starts_alike(env) or not self.alive()):
             return None
-        request = {"script": script, "args": args, "env": env}
+        request = {"module": module, "script": script, "args": args, "env": env}
         try:
             self.process.stdin.write(json.dumps(request) + "\n")
             self.process.stdin.close()
