@@ -1,6 +1,6 @@
 """The book build's spare kernel (book/_ext/spare_kernel.py), through jupyter_client as pinned:
 the second chapter's kernel is the spare, its imports done, and runs cells, inline figures
-and errors as a kernel jupyter started does, with jupyter's own parent and folder; a launch
+(the same bytes) and errors as a kernel jupyter started does, with jupyter's own parent and folder; a launch
 in another environment starts as jupyter starts it and the refused spare ends; the one left
 after the last chapter ends when the build drops it. One test, three kernels: each costs
 the machine a second or two (the spares here import a small module where the build's
@@ -32,7 +32,9 @@ def spare_kernel(monkeypatch):
     spec = importlib.util.spec_from_file_location("spare_kernel", EXT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    monkeypatch.setattr(module.SpareKernel, "IMPORTS", ("ipykernel.kernelapp", MARKER))
+    # the build's imports but torch (1.6 s of CPU a spare), and the marker
+    imports = tuple(name for name in module.SpareKernel.IMPORTS if name != "torch")
+    monkeypatch.setattr(module.SpareKernel, "IMPORTS", (*imports, MARKER))
     monkeypatch.setattr(local_provisioner, "launch_kernel", module.launch_kernel)
     yield module
     module._drop()
@@ -58,8 +60,8 @@ def probe(cells):
 
 def test_the_next_kernel_is_the_spare_and_runs_as_jupyters_own(spare_kernel, tmp_path,
                                                                  monkeypatch):
-    cells, error = execute(tmp_path, PROBE)
-    first, spare = probe(cells), spare_kernel._spare
+    cells, error = execute(tmp_path, PROBE, FIGURE)
+    first, spare, drawn = probe(cells), spare_kernel._spare, cells[1].outputs
     assert error is None and spare is not None and spare.alive()
 
     cells, error = execute(tmp_path, PROBE, FIGURE, "1 / 0", "print('after')")
@@ -69,8 +71,11 @@ def test_the_next_kernel_is_the_spare_and_runs_as_jupyters_own(spare_kernel, tmp
     for kernel in (first, second):
         assert kernel["parent"] == os.getpid() and kernel["cwd"] == str(tmp_path)
         assert kernel["launcher"] and kernel["variable"] == "-"
+    # the inline backend, pyplot imported before the kernel started: the same figure,
+    # byte for byte, as jupyter's kernel drew
     assert [output["output_type"] for output in cells[1].outputs] == ["display_data"]
-    assert "image/png" in cells[1].outputs[0]["data"]   # the inline backend, as jupyter's
+    assert cells[1].outputs[0]["data"] == drawn[0]["data"]
+    assert "image/png" in drawn[0]["data"]
     assert "ZeroDivisionError" in str(error) and cells[3].outputs == []   # failed, and stopped
 
     refused = spare_kernel._spare

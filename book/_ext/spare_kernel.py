@@ -1,12 +1,12 @@
 """Each chapter's kernel started while the chapter before it executes: a new Python that has
-imported ipykernel and torch, then becomes the kernel the next chapter asks for.
+imported ipykernel, torch and matplotlib, then becomes the kernel the next chapter asks for.
 
 The build executes the chapters one after the other, each in a new kernel. Starting one
 costs its chapter about 0.8 s of one core before the first cell (Python, ipykernel, the
 handshake), and a chapter whose cells use torch spends 1.8 s more importing it, while its
 launches leave the other core idle about a quarter of the time. When a kernel is launched,
 this starts the next one's Python (labkit.runtime.spare_python, as a chapter's spare for
-its next torchrun): it imports ipykernel and torch on that idle core, and waits. The next
+its next torchrun): it imports ipykernel, torch and pyplot on that idle core, and waits. The next
 launch, with the same command line's interpreter, folder and the very same environment,
 hands it its arguments; it runs `ipykernel_launcher` as `python -m` would, a fresh kernel
 that no cell has touched, its modules imported earlier. Anything else starts as jupyter
@@ -31,18 +31,25 @@ from labkit.runtime.spare_python import SparePython  # noqa: E402
 from jupyter_client.provisioning import local_provisioner  # noqa: E402
 
 _jupyters_launch = local_provisioner.launch_kernel
+INLINE_BACKEND = "module://matplotlib_inline.backend_inline"
 
 
 class SpareKernel(SparePython):
     """A Python that imported ipykernel and torch, for the next `python -m ipykernel_launcher`."""
 
-    IMPORTS = ("ipykernel.kernelapp", "torch")
+    # pyplot: every chapter's helper imports it (labkit.runtime.notebook)
+    IMPORTS = ("ipykernel.kernelapp", "torch", "matplotlib.pyplot")
     MODULES = ("ipykernel_launcher",)
     RUNS_FILES = False
 
     def _popen(self, command, env, cwd):
         # as jupyter_client starts a kernel: stdout and stderr the build's own, a session of
-        # its own (an interrupt goes to its process group)
+        # its own (an interrupt goes to its process group). matplotlib reads MPLBACKEND as
+        # it is imported, and a kernel sets it to the inline backend, where the environment
+        # names none, before any cell runs (ipykernel's kernelapp): the spare imports it so
+        # set; the kernel, handed the launch's own environment, sets it again
+        if not env.get("MPLBACKEND"):
+            env = {**env, "MPLBACKEND": INLINE_BACKEND}
         return subprocess.Popen(command, stdin=subprocess.PIPE, env=env, cwd=cwd,
                                 start_new_session=True, text=True)
 
