@@ -13,6 +13,11 @@ that no cell has touched, its modules imported earlier. Anything else starts as 
 starts kernels. The spare left after the last chapter is ended before the unit is measured
 again (book/_ext/chapter_times.py), and at exit.
 
+What the spare's imports print goes to the build's log, not to the first cell that would
+have imported them (an import that warns would warn there in a kernel jupyter started), and
+a variable a cell sets before its first import of torch or matplotlib comes too late: no
+chapter does either.
+
 jupyter_client offers no hook between a kernel's command and its process but the
 provisioner, registered through a package's entry point; this replaces the one function
 its local provisioner calls, `launch_kernel`, and is tested against jupyter_client as
@@ -20,21 +25,26 @@ pinned (tests/test_spare_kernel.py).
 """
 
 import atexit
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "labs"))
-from labkit.runtime.spare_python import SparePython  # noqa: E402
+from jupyter_client.provisioning import local_provisioner
 
-from jupyter_client.provisioning import local_provisioner  # noqa: E402
+# read from its file, the build's sys.path left alone (labs/ holds a trace.py, which would
+# stand in for the standard library's)
+_spec = importlib.util.spec_from_file_location(
+    "spare_python", Path(__file__).resolve().parents[2] / "labs/labkit/runtime/spare_python.py")
+spare_python = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(spare_python)
 
 _jupyters_launch = local_provisioner.launch_kernel
 INLINE_BACKEND = "module://matplotlib_inline.backend_inline"
 
 
-class SpareKernel(SparePython):
+class SpareKernel(spare_python.SparePython):
     """A Python that imported ipykernel and torch, for the next `python -m ipykernel_launcher`."""
 
     # pyplot: every chapter's helper imports it (labkit.runtime.notebook)
@@ -78,7 +88,11 @@ def launch_kernel(cmd, stdin=None, stdout=None, stderr=None, env=None, independe
     if process is not None:
         _spare = None
     _drop()   # one it could not take
-    _spare = SpareKernel(env, cwd)
+    if cmd[:3] == [sys.executable, "-m", "ipykernel_launcher"]:   # a kind a spare can take
+        try:
+            _spare = SpareKernel(env, cwd)
+        except OSError as error:   # the kernel asked for still starts
+            print(f"spare_kernel: no spare for the next chapter ({error})", file=sys.stderr)
     return process or _jupyters_launch(cmd, env=env, cwd=cwd)
 
 

@@ -40,11 +40,13 @@ import sys
 # the launch asks for.
 IMPORT_TIME = ("PYTHON", "OMP_", "MKL_", "KMP_", "TORCH", "PYTORCH", "CUDA", "LD_", "LOGLEVEL")
 
-# What the spare runs: its imports (argv), then the request, then the command as Python runs
-# it: sys.path[0] the working directory for -m, the script's folder for a file, and
-# sys.argv[0] the module's file or the script (runpy sets the first)
+# What the spare runs: its imports (argv), without the working directory on its path (-c's
+# ''), where a module of the folder could stand in for one of theirs; then the request; then
+# the command as Python runs it: sys.path[0] the working directory for -m, the script's folder
+# for a file, and sys.argv[0] the module's file or the script (runpy sets the first)
 _SPARE_CODE = """
 import importlib, json, os, runpy, sys
+sys.path.pop(0)
 for name in sys.argv[1:]:
     importlib.import_module(name)
 request = sys.stdin.readline()
@@ -55,11 +57,11 @@ os.environ.clear()
 os.environ.update(request["env"])
 if request["module"] is not None:
     sys.argv = [request["module"], *request["args"]]
-    sys.path[0] = os.getcwd()
+    sys.path.insert(0, os.getcwd())
     runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
 else:
     sys.argv = [request["script"], *request["args"]]
-    sys.path[0] = os.path.dirname(os.path.abspath(request["script"]))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(request["script"])))
     runpy.run_path(request["script"], run_name="__main__")
 """
 
