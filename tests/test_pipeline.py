@@ -8,9 +8,9 @@ only m >= 2p), the loss-scale pitfall, the traces of --profile, the device guard
 and 2), bad input, and the zero-bubble cost models against torch's own orders and the
 published counts."""
 
-from pathlib import Path
-
+import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +18,7 @@ import torch
 import pipeline
 from conftest import assert_fails_with_one_line, assert_lab_metadata, assert_refused
 from labkit.predict import memory_model, time_model
-from labkit.runtime.launch import run_lab
+from labkit.runtime.launch import LabError, run_lab
 from labkit.parallel.pipeline_schedules import schedule_order
 
 
@@ -424,3 +424,18 @@ def test_a_deadlocked_stage_stays_for_its_peers_only_while_nccl_lets_it():
     assert pipeline.deadlock_grace_s(args, cuda) == pytest.approx(0.3)   # (3 - 0.8 x 3) / 2
     assert pipeline.deadlock_grace_s(argparse.Namespace(timeout=120.0, p2p_timeout=1.0),
                                      cuda) == pipeline.DEADLOCK_GRACE_S
+
+
+def test_the_deadlock_is_each_stage_waiting_on_the_next_and_the_right_order_finishes():
+    """recv_before_send at the odd p = 3: every stage gives up, in one line, on a wait; the
+    waits form a cycle (stages 0 and 1 on each other; 2 on 1). The positive control: GPipe's
+    order, same world, m and --p2p-timeout, finishes, so the timeout is not what stops it."""
+    same = ["--microbatches", 2, "--steps", 1, "--p2p-timeout", 2]
+    with pytest.raises(LabError) as error:
+        run_lab("pipeline", 3, ["--schedule", "recv_before_send", *same], echo=False)
+    waits = sorted(tuple(map(int, found)) for found in re.findall(
+        r"stage (\d+) waited [\d.]+ s for .*? from rank (\d+) and gave up: nothing came "
+        r"within --p2p-timeout", error.value.output))
+    assert sorted(set(waits)) == [(0, 1), (1, 0), (2, 1)], error.value.output
+    control = run_lab("pipeline", 3, ["--schedule", "gpipe", *same], echo=False)
+    assert control["schedules"]["gpipe"]["max_param_diff"] <= 1e-5

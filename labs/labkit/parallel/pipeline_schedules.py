@@ -154,8 +154,11 @@ def _wait_for(handle, what, source, stage, timeout_s, device):
     except RuntimeError as error:   # gloo and NCCL raise when the wait times out
         # on CUDA the wait gives up before NCCL's watchdog would (wait_for_work)
         waited = timeout_s * (NCCL_GIVE_UP_FRACTION if torch.device(device).type == "cuda" else 1)
+        # a wait that times out cannot tell a peer that waits on this stage from one that
+        # is only slow: the lines of all stages together can (each waiting on the next)
         raise TimeoutError(f"stage {stage} waited {waited:g} s for {what} from rank "
-                           f"{source} and gave up: the schedule is deadlocked") from error
+                           f"{source} and gave up: nothing came within --p2p-timeout "
+                           f"(deadlocked, if that rank waits too)") from error
 
 
 def _exchange(sends, recv=None, group=None):
