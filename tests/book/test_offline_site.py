@@ -6,8 +6,8 @@ cluster without internet access, as a reader there would open it.
   loaded (Resource Timing) holds only the site's address.
 - Every equation renders, at 1280 and at 390 px: as many MathJax containers as the page
   has equations, no MathJax error, no raw TeX left in the text.
-- Each displayed equation, each table and each figure fits its column, or scrolls sideways
-  in its own box: the box lies inside the column and every box around it that clips (the theme's
+- Each displayed equation, each table, each figure and each output that is a table of
+  aligned columns fits its column, or scrolls sideways in its own box: the box lies inside the column and every box around it that clips (the theme's
   numbered equations clip what overflows them), it really scrolls, and it says so with a
   scroll bar that takes room or a shadow at its edge (a phone overlays its scroll bars).
 
@@ -114,22 +114,25 @@ function rightClip(el, stop) {
   }
   return right;
 }
+// Whether `el`, a box that scrolls sideways, is seen doing so: "" if so, else why not
+function scrollSeen(el) {
+  const style = getComputedStyle(el);
+  const own = el.getBoundingClientRect();
+  // the scrolling box itself must be whole on the page, not cut by a box around it
+  if (own.right > rightClip(el, article) + 1) return "its scrolling box is cut off";
+  if (el.scrollWidth <= el.clientWidth + 1) return "its box does not scroll";
+  const borders = parseFloat(style.borderTopWidth) + parseFloat(style.borderBottomWidth);
+  const bar = el.offsetHeight - el.clientHeight - borders;
+  const shadow = style.backgroundImage.includes("gradient")
+    && style.backgroundAttachment.includes("local");
+  if (bar < 4 && !shadow) return "it scrolls with no scroll bar or shadow to show it";
+  return "";
+}
 function unseen(content, outer) {
   const box = content.getBoundingClientRect();
   if (box.width === 0 || box.right <= rightClip(content, article) + 1) return "";
   for (let el = content.parentElement; el && el !== outer.parentElement; el = el.parentElement) {
-    const style = getComputedStyle(el);
-    if (!["auto", "scroll"].includes(style.overflowX)) continue;
-    const own = el.getBoundingClientRect();
-    // the scrolling box itself must be whole on the page, not cut by a box around it
-    if (own.right > rightClip(el, article) + 1) return "its scrolling box is cut off";
-    if (el.scrollWidth <= el.clientWidth + 1) return "its box does not scroll";
-    const borders = parseFloat(style.borderTopWidth) + parseFloat(style.borderBottomWidth);
-    const bar = el.offsetHeight - el.clientHeight - borders;
-    const shadow = style.backgroundImage.includes("gradient")
-      && style.backgroundAttachment.includes("local");
-    if (bar < 4 && !shadow) return "it scrolls with no scroll bar or shadow to show it";
-    return "";
+    if (["auto", "scroll"].includes(getComputedStyle(el).overflowX)) return scrollSeen(el);
   }
   return `cut off ${Math.round(box.right - rightClip(content, article))} px, with nothing to scroll`;
 }
@@ -152,9 +155,19 @@ for (const img of article.querySelectorAll("figure img")) {
   const why = unseen(img, img.closest("figure"));
   if (why) figures.push(`${img.alt.slice(0, 50)}: ${why}`);
 }
+// a cell's output that is a table keeps its lines (book/_ext/aligned_outputs.py): each row
+// one line, and a row wider than the column scrolls in the output's box and shows it
+const outputs = [];
+const aligned = article.querySelectorAll("div.aligned-output pre");
+for (const pre of aligned) {
+  const style = getComputedStyle(pre);
+  const why = style.whiteSpace !== "pre" ? `its rows wrap (white-space: ${style.whiteSpace})`
+    : pre.scrollWidth <= pre.clientWidth + 1 ? "" : scrollSeen(pre);
+  if (why) outputs.push(`${pre.textContent.trim().slice(0, 50)}: ${why}`);
+}
 return {containers: article.querySelectorAll("mjx-container").length,
         errors: document.querySelectorAll("mjx-merror").length,
-        raw, overflowing, tables, figures,
+        raw, overflowing, tables, figures, outputs, aligned: aligned.length,
         requested: performance.getEntriesByType("resource").map((entry) => entry.name)};
 """
 
@@ -215,6 +228,13 @@ def test_each_figure_fits_or_scrolls_in_its_own_box(seen):
     assert sum(1 for page in TABLE_PAGES if "<figure" in (HTML / page).read_text()) >= 10
     for (page, width), report in seen.items():
         assert report["figures"] == [], f"{page} at {width} px: {report['figures']}"
+
+
+def test_each_output_table_keeps_its_rows_and_scrolls_in_its_own_box(seen):
+    assert sum(1 for (_, width), report in seen.items()
+               if width == WIDTHS[0] and report["aligned"]) >= 5
+    for (page, width), report in seen.items():
+        assert report["outputs"] == [], f"{page} at {width} px: {report['outputs']}"
 
 
 def test_no_page_requests_anything_outside_the_site(origin, seen):
