@@ -14,7 +14,8 @@
   LABS           the labs folder, for a process that needs the path (ipyparallel engines)
 
 Importing it also sets the book's plot style: figures sized for the page and fonts large
-enough to read on a phone, where a figure shrinks to 360 pixels.
+enough to read on a phone, where a figure shrinks to 360 pixels; and `plt.show()` then
+refuses a figure with text too small to read there (phone_text_too_small).
 """
 
 import numbers
@@ -56,6 +57,40 @@ plt.rcParams.update({
     "grid.alpha": 0.3,
     "lines.markersize": 5,
 })
+
+
+# What a phone shows of a figure: the column of a 390-pixel-wide screen, 358 CSS pixels, the
+# figure shrunk to fit; text smaller than PHONE_MIN_TEXT_PX there cannot be read without
+# zooming (the book's 10-point labels on a 6-inch figure come out at 8.3)
+PHONE_COLUMN_PX = 358
+PHONE_MIN_TEXT_PX = 7.5
+
+
+def phone_text_too_small(fig):
+    """[(text, its height in CSS pixels on a phone)] of every visible text of `fig` drawn
+    smaller than PHONE_MIN_TEXT_PX once the figure is shrunk to a phone's column."""
+    width_px = fig.get_figwidth() * fig.dpi
+    scale = min(1.0, PHONE_COLUMN_PX / width_px)
+    small = []
+    for text in fig.findobj(lambda artist: isinstance(artist, plt.Text)):
+        if text.get_visible() and text.get_text().strip():
+            px = text.get_fontsize() * fig.dpi / 72 * scale
+            if px < PHONE_MIN_TEXT_PX:
+                small.append((text.get_text(), round(float(px), 1)))
+    return small
+
+
+def _show_readable(*args, **kwargs):
+    """plt.show, once every open figure's text reads on a phone (else the cell fails)."""
+    for number in plt.get_fignums():
+        if small := phone_text_too_small(plt.figure(number)):
+            raise AssertionError(
+                f"figure text below {PHONE_MIN_TEXT_PX} px on a phone's "
+                f"{PHONE_COLUMN_PX}-px column: {small[:5]} (a larger font, or a narrower figure)")
+    return _show(*args, **kwargs)
+
+
+_show, plt.show = plt.show, _show_readable
 
 
 def glue(name, value):
