@@ -45,7 +45,7 @@ INLINE_BACKEND = "module://matplotlib_inline.backend_inline"
 
 
 class SpareKernel(spare_python.SparePython):
-    """A Python that imported ipykernel and torch, for the next `python -m ipykernel_launcher`."""
+    """A Python that imported ipykernel, torch and pyplot, for the next kernel jupyter starts."""
 
     # pyplot: every chapter's helper imports it (labkit.runtime.notebook)
     IMPORTS = ("ipykernel.kernelapp", "torch", "matplotlib.pyplot")
