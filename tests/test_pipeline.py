@@ -434,8 +434,8 @@ def test_the_deadlock_is_each_stage_waiting_on_the_next_and_the_right_order_fini
     with pytest.raises(LabError) as error:
         run_lab("pipeline", 3, ["--schedule", "recv_before_send", *same], echo=False)
     waits = sorted(tuple(map(int, found)) for found in re.findall(
-        r"stage (\d+) waited [\d.]+ s for .*? from rank (\d+) and gave up: nothing came "
-        r"within --p2p-timeout", error.value.output))
+        r"stage (\d+) waited [\d.]+ s for .*? from rank (\d+) and gave up \(--p2p-timeout\): "
+        r"nothing came", error.value.output))
     assert sorted(set(waits)) == [(0, 1), (1, 0), (2, 1)], error.value.output
     control = run_lab("pipeline", 3, ["--schedule", "gpipe", *same], echo=False)
     assert control["schedules"]["gpipe"]["max_param_diff"] <= 1e-5

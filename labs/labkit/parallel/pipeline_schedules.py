@@ -155,10 +155,10 @@ def _wait_for(handle, what, source, stage, timeout_s, device):
         # on CUDA the wait gives up before NCCL's watchdog would (wait_for_work)
         waited = timeout_s * (NCCL_GIVE_UP_FRACTION if torch.device(device).type == "cuda" else 1)
         # a wait that times out cannot tell a peer that waits on this stage from one that
-        # is only slow: the lines of all stages together can (each waiting on the next)
+        # is only slow: the lines of all stages together can (waits that form a cycle)
         raise TimeoutError(f"stage {stage} waited {waited:g} s for {what} from rank "
-                           f"{source} and gave up: nothing came within --p2p-timeout "
-                           f"(deadlocked, if that rank waits too)") from error
+                           f"{source} and gave up (--p2p-timeout): nothing came; if the "
+                           f"stages' waits form a cycle, the schedule is deadlocked") from error
 
 
 def _exchange(sends, recv=None, group=None):
@@ -189,7 +189,8 @@ def run_schedule(piece, order, stage, stages, inputs, targets, loss_fn, *, clock
     loss of each micro-batch is divided by m, so that the gradients are those of the whole
     batch's mean loss (scale_loss=False is a pitfall: m times too large). recv_before_send
     is another: each stage waits for a micro-batch's gradient before sending the
-    activation it needs, and the pipeline deadlocks until the group's timeout. `group` is
+    activation it needs, and the pipeline deadlocks until each stage's wait gives up
+    (`timeout_s`, wait_for_work). `group` is
     the process group the sends go over (None: the world; ranks stay global either way).
 
     What an op sends goes out together with the next op's receive (_exchange), so a stage
