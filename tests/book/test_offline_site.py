@@ -6,8 +6,8 @@ cluster without internet access, as a reader there would open it.
   loaded (Resource Timing) holds only the site's address.
 - Every equation renders, at 1280 and at 390 px: as many MathJax containers as the page
   has equations, no MathJax error, no raw TeX left in the text.
-- Each displayed equation, each table, each figure and each output that is a table of
-  aligned columns fits its column, or scrolls sideways in its own box: the box lies inside the column and every box around it that clips (the theme's
+- Each displayed equation, each table, each figure and each table a cell printed (its rows
+  kept whole, its other lines wrapped) fits its column, or scrolls sideways in its own box: the box lies inside the column and every box around it that clips (the theme's
   numbered equations clip what overflows them), it really scrolls, and it says so with a
   scroll bar that takes room or a shadow at its edge (a phone overlays its scroll bars).
 
@@ -155,14 +155,20 @@ for (const img of article.querySelectorAll("figure img")) {
   const why = unseen(img, img.closest("figure"));
   if (why) figures.push(`${img.alt.slice(0, 50)}: ${why}`);
 }
-// a cell's output that is a table keeps its lines (book/_ext/aligned_outputs.py): each row
-// one line, and a row wider than the column scrolls in the output's box and shows it
+// the rows of a table a cell printed keep their lines (book/_ext/aligned_outputs.py): a row
+// wider than the column scrolls the output's box and shows it; its other lines wrap, so
+// that the box scrolls for a row only
 const outputs = [];
 const aligned = article.querySelectorAll("div.aligned-output pre");
 for (const pre of aligned) {
-  const style = getComputedStyle(pre);
-  const why = style.whiteSpace !== "pre" ? `its rows wrap (white-space: ${style.whiteSpace})`
-    : pre.scrollWidth <= pre.clientWidth + 1 ? "" : scrollSeen(pre);
+  const rows = [...pre.querySelectorAll("span.output-row")];
+  const wraps = rows.length ? getComputedStyle(rows[0]).whiteSpace : "";
+  const widest = Math.max(0, ...rows.map((row) => row.getBoundingClientRect().width));
+  const scrolls = pre.scrollWidth > pre.clientWidth + 1;
+  const why = !rows.length ? "no row marked"
+    : wraps !== "pre" ? `its rows wrap (white-space: ${wraps})`
+    : scrolls && widest <= pre.clientWidth ? "it scrolls for a line that is not a row"
+    : scrolls ? scrollSeen(pre) : "";
   if (why) outputs.push(`${pre.textContent.trim().slice(0, 50)}: ${why}`);
 }
 return {containers: article.querySelectorAll("mjx-container").length,
