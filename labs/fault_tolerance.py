@@ -24,7 +24,7 @@ torchrun does for its ranks), and all start again from the last checkpoint.
 
 The groups are processes forked from this one once torch and torchft are imported, with
 the environment torchrun would give a rank: import_s is what that import costs a group
-started afresh, and is not in heal_s. Each group hosts its own store on 127.0.0.1 (the
+started afresh (the CPU seconds of Python's start and the imports), and is not in heal_s. Each group hosts its own store on 127.0.0.1 (the
 Manager joins it, as it joins torchrun's), everything it advertises is 127.0.0.1, and gloo
 uses the loopback interface. torchft 0.2's Manager would start its server on [::], every
 address (torchft/manager.py): the lab starts it on --hostname's address alone when that is
@@ -72,8 +72,6 @@ instead.
 
 import time
 
-STARTED = time.monotonic()   # before torch: what importing it costs a fresh process
-
 import argparse   # noqa: E402
 import dataclasses   # noqa: E402
 import datetime   # noqa: E402
@@ -110,7 +108,10 @@ from labkit.model.transformer import (Shape, Transformer, add_shape_args,   # no
 from labkit.predict import fault_tolerance_model as ftm, memory_model   # noqa: E402
 from labkit.runtime import distenv   # noqa: E402
 
-IMPORT_S = time.monotonic() - STARTED
+# What starting Python and importing torch and torchft cost this process: its CPU time so far,
+# the same whether it started afresh or was started before its launch with torch imported
+# (a chapter's spare Python, labkit.runtime.spare_python), where its clock would show less
+IMPORT_S = time.process_time()
 logging.getLogger("torchft").setLevel(logging.CRITICAL)   # the lab reports what went wrong
 warnings.filterwarnings("ignore", module="torchft")   # its deprecation warnings, not the lab's
 

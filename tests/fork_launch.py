@@ -18,10 +18,8 @@ starts a real process: `start` returns None. The chapters always launch real tor
 `LABS_FORK_LAUNCH=0 make pytest` runs these tests that way too.
 """
 
-import atexit
 import multiprocessing
 import os
-import runpy
 import signal
 import socket
 import subprocess
@@ -29,6 +27,8 @@ import sys
 import tempfile
 import uuid
 from pathlib import Path
+
+from labkit.runtime.rank_server import run_file
 
 # Imported once by the server; the 0.7 s of DTensor (sympy) is paid by the FSDP, tensor-
 # and context-parallel labs and the checkpoints.
@@ -154,30 +154,7 @@ def _agent(script, args, nproc, env, cwd, out, err):
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
-    sys.exit(_run_file(script, args) if nproc is None else _run_ranks(script, args, nproc))
-
-
-def _run_file(script, args):
-    """What `python script args` does in a fresh interpreter; returns its exit status."""
-    sys.argv = [script, *args]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    try:
-        runpy.run_path(script, run_name="__main__")
-        status = 0
-    except SystemExit as done:
-        status = done.code
-        if status is None:
-            status = 0
-        elif not isinstance(status, int):
-            print(status, file=sys.stderr)
-            status = 1
-    except BaseException:   # noqa: BLE001 (Python's own handling of an uncaught exception)
-        sys.excepthook(*sys.exc_info())
-        status = 1
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    return status
+    sys.exit(run_file(script, args) if nproc is None else _run_ranks(script, args, nproc))
 
 
 def _run_ranks(script, args, nproc):
@@ -203,7 +180,7 @@ def _run_ranks(script, args, nproc):
                 "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
                 "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_USE_AGENT_STORE": "True",
                 "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"})
-            os._exit(_run_file(script, args))
+            os._exit(run_file(script, args))
         ranks[pid] = rank
     # Hosted after the forks, so that no rank inherits the store's thread.
     store = dist.TCPStore("127.0.0.1", port, nproc, is_master=True, wait_for_workers=False,

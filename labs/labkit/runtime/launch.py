@@ -13,7 +13,9 @@ own error output, so the notebook cell, the book build and the test fail visibly
 In a notebook's kernel a launch's first process (torchrun's agent, or a lab run as one
 process) is a Python started when the previous launch ended, which imported torch while
 the kernel went on (labkit.runtime.spare_python); it then runs the command as Python
-would, and torchrun's ranks start afresh as always.
+would. The ranks of a group's first start are forked from a server that imported torch
+once for the chapter (labkit.runtime.rank_server), where it can; else, and at a restart,
+torchrun starts them afresh as always.
 """
 
 import atexit
@@ -30,6 +32,7 @@ import threading
 import uuid
 from pathlib import Path
 
+from . import rank_server
 from .spare_python import SparePython
 
 LABS_DIR = Path(__file__).resolve().parents[2]   # labs/, where the lab scripts are
@@ -165,31 +168,43 @@ def _popen(command, env):
 def keep_a_spare_python():
     """From now on, have a Python ready before each launch, torch imported
     (labkit.runtime.spare_python): the next launch's agent starts its ranks, or a lab
-    run as one process its work, about a second sooner. The chapters' helper
+    run as one process its work, about a second sooner; and, where it can
+    (labkit.runtime.rank_server), a server that imported torch once, from which that
+    agent forks the ranks of a group's first start. The chapters' helper
     (labkit.runtime.notebook) turns it on."""
-    global _spares_on
+    global _spares_on, _rank_server
     _spares_on = True
+    if _rank_server is None and rank_server.available():
+        _rank_server = rank_server.RankServer(lab_environment({}), REPO_DIR)
     _keep_spare()
 
 
 _spares_on = False
 _spare = None
+_rank_server = None
 
 
 def _keep_spare():
     global _spare
     if _spares_on and (_spare is None or not _spare.alive()):
-        _spare = SparePython(lab_environment({}), REPO_DIR)
+        call = None
+        if _rank_server is not None and _rank_server.process.poll() is None:
+            call = (LABS_DIR, "labkit.runtime.rank_server", "fork_ranks_in_torchrun",
+                    _rank_server.address)
+        _spare = SparePython(lab_environment({}), REPO_DIR, call=call)
 
 
 @atexit.register
 def _drop_spare():
-    """End the spare with its kernel at once: left alone it would finish importing torch
-    first, beside whatever the machine runs next."""
-    global _spare
+    """End the spare and the rank server with their kernel at once: left alone the spare
+    would finish importing torch first, beside whatever the machine runs next."""
+    global _spare, _rank_server
     if _spare is not None:
         _spare.end()
         _spare = None
+    if _rank_server is not None:
+        _rank_server.end()
+        _rank_server = None
 
 
 def _start(command, env):

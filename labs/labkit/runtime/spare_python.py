@@ -40,14 +40,22 @@ import sys
 # the launch asks for.
 IMPORT_TIME = ("PYTHON", "OMP_", "MKL_", "KMP_", "TORCH", "PYTORCH", "CUDA", "LD_", "LOGLEVEL")
 
-# What the spare runs: its imports (argv), without the working directory on its path (-c's
-# ''), where a module of the folder could stand in for one of theirs; then the request; then
-# the command as Python runs it: sys.path[0] the working directory for -m, the script's folder
-# for a file, and sys.argv[0] the module's file or the script (runpy sets the first)
+# What the spare runs: its call (argv[1], JSON: a folder, a module found there, a function and
+# its arguments, or null), then its imports (the rest of argv), without the working directory
+# on its path (-c's ''), where a module of the folder could stand in for one of theirs; then
+# the request; then the command as Python runs it: sys.path[0] the working directory for -m,
+# the script's folder for a file, and sys.argv[0] the module's file or the script (runpy sets
+# the first)
 _SPARE_CODE = """
 import importlib, json, os, runpy, sys
 sys.path.pop(0)
-for name in sys.argv[1:]:
+call = json.loads(sys.argv[1])
+if call:
+    folder, module, function, *arguments = call
+    sys.path.insert(0, folder)
+    getattr(importlib.import_module(module), function)(*arguments)
+    sys.path.remove(folder)
+for name in sys.argv[2:]:
     importlib.import_module(name)
 request = sys.stdin.readline()
 if not request:
@@ -80,10 +88,15 @@ class SparePython:
     MODULES = ("torch.distributed.run",)
     RUNS_FILES = True
 
-    def __init__(self, env, cwd):
+    def __init__(self, env, cwd, call=None):
+        """A spare for a launch with `env` from `cwd`. call=(folder, module, function,
+        *arguments): a function it calls before its imports (labkit.runtime.rank_server's
+        fork_ranks_in_torchrun), its module found in that folder."""
         self._env = dict(env)
         self._cwd = str(cwd)
-        self.process = self._popen([sys.executable, "-c", _SPARE_CODE, *self.IMPORTS], env, cwd)
+        call = json.dumps([str(word) for word in call] if call else None)
+        self.process = self._popen([sys.executable, "-c", _SPARE_CODE, call, *self.IMPORTS],
+                                   env, cwd)
 
     def _popen(self, command, env, cwd):
         # as launch._popen starts a lab: stdout and stderr in one pipe, a session of its own

@@ -1,0 +1,127 @@
+"""The chapters' rank server (labkit.runtime.rank_server): torchrun's own agent, in a spare
+Python, forks the ranks of a group's first start from a server that imported torch once.
+Each forked rank sees what torchrun gives a rank and fails as a rank fails; a restart, and
+a lab that shows how torchrun started it, get new Pythons; an agent that dies takes its
+forked ranks with it. Real processes: the test suite's forked launches are not what a
+chapter runs."""
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from labkit.runtime import launch, rank_server
+from labkit.runtime.spare_python import SparePython
+
+pytestmark = pytest.mark.skipif(not rank_server.available(), reason="needs Linux, no GPU")
+
+AGENT = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+# one write per line: the ranks share the pipe
+PROBE = """import os, sys
+restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
+words = ["probe", os.environ["PROBE"], os.environ["RANK"], os.environ["WORLD_SIZE"], restart,
+         str(os.getppid()), str(os.getpgid(0) == os.getpid()), *sys.argv[1:]]
+os.write(1, (" ".join(words) + "\\n").encode())
+if os.environ["RANK"] == os.environ.get("FAIL_RANK") and restart == "0":
+    sys.exit(3)
+if os.environ["RANK"] == os.environ.get("SLEEP_RANK"):
+    import time
+    time.sleep(600)
+"""
+
+
+@pytest.fixture(scope="module")
+def server():
+    env = launch.lab_environment({})
+    started = rank_server.RankServer(env, launch.REPO_DIR)
+    yield started
+    started.end()
+
+
+def agent(server, tmp_path, nproc, *options, **env):
+    """torchrun's agent in a spare that forks from `server`, running the probe; its Popen."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    base = launch.lab_environment({})
+    call = (launch.LABS_DIR, "labkit.runtime.rank_server", "fork_ranks_in_torchrun",
+            server.address)
+    spare = SparePython(base, tmp_path, call=call)
+    process = spare.run([*AGENT, f"--nproc_per_node={nproc}", *options, str(probe), "--x", "1"],
+                        {**base, "PROBE": "seen", **env}, tmp_path)
+    assert process is spare.process
+    return process
+
+
+def probes(output):
+    return sorted(line.split()[1:] for line in output.splitlines() if line.startswith("probe"))
+
+
+def test_an_odd_world_is_forked_from_the_server_with_what_torchrun_gives_each_rank(
+        server, tmp_path):
+    process = agent(server, tmp_path, 3)
+    output = process.stdout.read()
+    assert process.wait(timeout=120) == 0, output
+    # the launch's environment and arguments, torchrun's RANK and WORLD_SIZE, a session of
+    # its own (torchrun signals each rank's group); the parent is the server
+    assert probes(output) == [["seen", str(rank), "3", "0", str(server.process.pid), "True",
+                               "--x", "1"] for rank in range(3)], output
+
+
+def test_a_failing_rank_fails_its_group_and_the_restart_starts_new_pythons(server, tmp_path):
+    process = agent(server, tmp_path, 2, "--max-restarts=1", FAIL_RANK="1")
+    output = process.stdout.read()
+    assert process.wait(timeout=120) == 0, output
+    assert "exitcode: 3" in output, output   # the status torchrun heard from the server
+    first = [p for p in probes(output) if p[3] == "0"]
+    again = [p for p in probes(output) if p[3] == "1"]
+    assert len(first) >= 1 and all(p[4] == str(server.process.pid) for p in first), output
+    # the restart: torchrun's own processes, children of the agent
+    assert [p[1] for p in again] == ["0", "1"], output
+    assert all(p[4] == str(process.pid) for p in again), output
+
+
+def test_an_agent_that_dies_takes_its_forked_ranks_with_it(server, tmp_path):
+    process = agent(server, tmp_path, 2, SLEEP_RANK="1")
+    lines = []
+    while len(lines) < 2:   # both ranks have started
+        line = process.stdout.readline()
+        assert line, "".join(lines)
+        if line.startswith("probe"):
+            lines.append(line)
+    os.killpg(process.pid, signal.SIGKILL)   # what a launch's timeout does to its agent
+    process.wait(timeout=60)
+    # the sleeping rank was the server's child, in a group of its own: the server ends it
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _children(server.process.pid):
+        time.sleep(0.1)
+    assert not _children(server.process.pid), lines
+
+
+def test_labs_that_show_how_torchrun_started_them_are_started_by_torchrun(monkeypatch):
+    monkeypatch.setattr(launch, "start_process", launch._start)
+    monkeypatch.setattr(launch, "_spare", None)
+    monkeypatch.setattr(launch, "_rank_server", None)
+    launch.keep_a_spare_python()
+    try:
+        agent_process = launch._spare.process
+        layout = launch.run_lab("ranks", 2, echo=False)
+    finally:
+        launch._spares_on = False
+        launch._drop_spare()
+    assert {r["agent_pid"] for r in layout["ranks"]} == {agent_process.pid}
+
+
+def _children(pid):
+    """The living children of process `pid`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except (OSError, ValueError):
+            continue
+        if entry.isdigit() and fields[1] == str(pid) and fields[0] != "Z":
+            found.append(int(entry))
+    return found
