@@ -40,11 +40,12 @@ def server():
     started.end()
 
 
-def agent(server, tmp_path, nproc, *options, **env):
-    """torchrun's agent in a spare that forks from `server`, running the probe; its Popen."""
-    probe = tmp_path / "probe.py"
+def agent(server, tmp_path, nproc, *options, script="probe.py", **env):
+    """torchrun's agent in a spare that forks from `server`, running the probe as `script`
+    with `env` added (the spare started with it too); its Popen."""
+    probe = tmp_path / script
     probe.write_text(PROBE)
-    base = launch.lab_environment({})
+    base = launch.lab_environment(env)
     call = (launch.LABS_DIR, "labkit.runtime.rank_server", "fork_ranks_in_torchrun",
             server.address)
     spare = SparePython(base, tmp_path, call=call)
@@ -99,18 +100,16 @@ def test_an_agent_that_dies_takes_its_forked_ranks_with_it(server, tmp_path):
     assert not _children(server.process.pid), lines
 
 
-def test_labs_that_show_how_torchrun_started_them_are_started_by_torchrun(monkeypatch):
-    monkeypatch.setattr(launch, "start_process", launch._start)
-    monkeypatch.setattr(launch, "_spare", None)
-    monkeypatch.setattr(launch, "_rank_server", None)
-    launch.keep_a_spare_python()
-    try:
-        agent_process = launch._spare.process
-        layout = launch.run_lab("ranks", 2, echo=False)
-    finally:
-        launch._spares_on = False
-        launch._drop_spare()
-    assert {r["agent_pid"] for r in layout["ranks"]} == {agent_process.pid}
+@pytest.mark.parametrize("case", [{"script": "ranks.py"}, {"OMP_NUM_THREADS": "2"}],
+                         ids=["ranks.py", "read-at-import"])
+def test_torchrun_starts_what_the_server_cannot_run_as_asked(server, tmp_path, case):
+    """ranks.py shows each rank's parent as its agent's pid; a rank whose environment
+    differs from the server's in a variable torch reads at import is refused there. Either
+    way torchrun starts the ranks, children of the agent."""
+    process = agent(server, tmp_path, 2, **case)
+    output = process.stdout.read()
+    assert process.wait(timeout=120) == 0, output
+    assert [p[4] for p in probes(output)] == [str(process.pid)] * 2, output
 
 
 def _children(pid):

@@ -6,7 +6,9 @@ costs its chapter about 0.8 s of one core before the first cell (Python, ipykern
 handshake), and a chapter whose cells use torch spends 1.8 s more importing it, while its
 launches leave the other core idle about a quarter of the time. When a kernel is launched,
 this starts the next one's Python (labkit.runtime.spare_python, as a chapter's spare for
-its next torchrun): it imports ipykernel, torch and pyplot on that idle core, and waits. The next
+its next torchrun): it starts the server its chapter's ranks will be forked from
+(labkit.runtime.rank_server, which imports torch on its own), imports ipykernel, torch and
+pyplot on that idle core, and waits. The next
 launch, with the same command line's interpreter, folder and the very same environment,
 hands it its arguments; it runs `ipykernel_launcher` as `python -m` would, a fresh kernel
 that no cell has touched, its modules imported earlier. Anything else starts as jupyter
@@ -35,12 +37,16 @@ from jupyter_client.provisioning import local_provisioner
 
 # read from its file, the build's sys.path left alone (labs/ holds a trace.py, which would
 # stand in for the standard library's)
+LABS_DIR = Path(__file__).resolve().parents[2] / "labs"
 _spec = importlib.util.spec_from_file_location(
-    "spare_python", Path(__file__).resolve().parents[2] / "labs/labkit/runtime/spare_python.py")
+    "spare_python", LABS_DIR / "labkit/runtime/spare_python.py")
 spare_python = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(spare_python)
 
 _jupyters_launch = local_provisioner.launch_kernel
+# what the kernel calls first: the server its chapter's launches fork their ranks from
+# (labkit.runtime.rank_server), which then imports torch beside it
+START_RANK_SERVER = (LABS_DIR, "labkit.runtime.launch", "start_rank_server")
 INLINE_BACKEND = "module://matplotlib_inline.backend_inline"
 
 
@@ -90,7 +96,7 @@ def launch_kernel(cmd, stdin=None, stdout=None, stderr=None, env=None, independe
     _drop()   # one it could not take
     if cmd[:3] == [sys.executable, "-m", "ipykernel_launcher"]:   # a kind a spare can take
         try:
-            _spare = SpareKernel(env, cwd)
+            _spare = SpareKernel(env, cwd, call=START_RANK_SERVER)
         except OSError as error:   # the kernel asked for still starts
             print(f"spare_kernel: no spare for the next chapter ({error})", file=sys.stderr)
     return process or _jupyters_launch(cmd, env=env, cwd=cwd)

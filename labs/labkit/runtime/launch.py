@@ -172,11 +172,19 @@ def keep_a_spare_python():
     (labkit.runtime.rank_server), a server that imported torch once, from which that
     agent forks the ranks of a group's first start. The chapters' helper
     (labkit.runtime.notebook) turns it on."""
-    global _spares_on, _rank_server
+    global _spares_on
     _spares_on = True
+    start_rank_server()
+    _keep_spare()
+
+
+def start_rank_server():
+    """The rank server of keep_a_spare_python, started now if it is not running: the book
+    build starts it with each chapter's kernel, which it starts ahead
+    (book/_ext/spare_kernel.py), so that it has imported torch by the first launch."""
+    global _rank_server
     if _rank_server is None and rank_server.available():
         _rank_server = rank_server.RankServer(lab_environment({}), REPO_DIR)
-    _keep_spare()
 
 
 _spares_on = False

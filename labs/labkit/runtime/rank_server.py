@@ -21,8 +21,9 @@ idle, and then forks each rank that torchrun's agent asks it for:
   timeout killed it), the server kills that rank's group.
 
 What a rank computes is the lab's own code, on modules imported in another process first.
-A restart (TORCHELASTIC_RESTART_COUNT above 0) starts new Pythons, as a reader's would, so
-that the time a restart costs is measured whole; so do the labs that show how torchrun
+Only a group's first start is forked: any later start of a local rank, a restart whether
+torchrun counts it or not (a node that only saw another node fail keeps its count), starts
+new Pythons, as a reader's would, so that the time a restart costs is measured whole; so do the labs that show how torchrun
 started them (STARTED_BY_TORCHRUN: a forked rank's stacks end in the server's frames, and
 its parent is the server), every rank on a machine with an NVIDIA device (a CUDA process
 must not be forked from one that may have touched the driver), and a rank whose
@@ -104,11 +105,15 @@ class RankServer:
         self._env = dict(env)
         self._folder = tempfile.mkdtemp(prefix="rank-server-")   # this user's alone (0700)
         self.address = os.path.join(self._folder, "socket")
-        code = ("import sys; sys.path.pop(0); sys.path.insert(0, sys.argv[1]); "
+        # killed with the process that started it (PR_SET_PDEATHSIG), which may be a kernel
+        # started ahead that is never used (book/_ext/spare_kernel.py); its forks are not
+        code = ("import ctypes, os, sys; ctypes.CDLL(None).prctl(1, 9); "
+                "os.getppid() == int(sys.argv[3]) or sys.exit(); "
+                "sys.path.pop(0); sys.path.insert(0, sys.argv[1]); "
                 "from labkit.runtime import rank_server; del sys.path[0]; "
                 "rank_server.serve(sys.argv[2])")
         self.process = subprocess.Popen([sys.executable, "-c", code, str(LABS_DIR),
-                                         self.address], env=env, cwd=cwd,
+                                         self.address, str(os.getpid())], env=env, cwd=cwd,
                                         stdin=subprocess.DEVNULL, start_new_session=True)
 
     def end(self):
@@ -123,7 +128,8 @@ class RankServer:
 
 def serve(address):
     """Bind `address` (connections wait there while the imports run), import PRELOAD, then
-    fork a rank for each request, until killed."""
+    fork a rank for each request whose environment it was started alike for, until killed."""
+    started_with = _at_import(os.environ)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(address)
     listener.listen(64)
@@ -162,13 +168,25 @@ def serve(address):
                     _kill_group(pid)
                 agent.close()
                 continue
+            request = json.loads(message)
+            if _at_import(request["env"]) != started_with:
+                for fd in fds:
+                    os.close(fd)
+                _send(agent, "refused: a variable read at import differs")
+                continue
             pid = os.fork()
             if pid == 0:
-                _become_rank(json.loads(message), fds, [listener, woken, wake, *agents])
+                _become_rank(request, fds, [listener, woken, wake, *agents])
             for fd in fds:
                 os.close(fd)
             ranks[pid] = agent
             _send(agent, f"pid {pid}")
+
+
+def _at_import(env):
+    """The variables read as Python and torch start, but those torchrun sets for each rank."""
+    return {name: value for name, value in import_time_variables(env).items()
+            if not name.startswith(SET_BY_TORCHRUN)}
 
 
 def _send(agent, text):
@@ -241,23 +259,20 @@ class ForkedRank:
 
 def fork_ranks_in_torchrun(address):
     """In the chapter's spare Python, before it imports torch and runs torchrun: each rank
-    of a group's first start that the server at `address` can run is forked there."""
-    started_with = dict(os.environ)
+    of the group's first start that the server at `address` can run is forked there."""
     from torch.distributed.elastic.multiprocessing.subprocess_handler import (
         subprocess_handler)
     handler_class = subprocess_handler.SubprocessHandler
     torchruns_popen = handler_class._popen
 
-    def at_import(env):
-        return {name: value for name, value in import_time_variables(env).items()
-                if not name.startswith(SET_BY_TORCHRUN)}
+    first_start = set()   # the local ranks forked: any later start of one is a restart
 
     def popen(handler, args, env):
-        forkable = (env.get("TORCHELASTIC_RESTART_COUNT") == "0"
+        forkable = (env.get("LOCAL_RANK") not in first_start
                     and handler._stdout is None and handler._stderr is None
                     and list(args[:2]) == [sys.executable, "-u"] and len(args) > 2
-                    and Path(args[2]).name not in STARTED_BY_TORCHRUN
-                    and at_import(env) == at_import(started_with))
+                    and Path(args[2]).name not in STARTED_BY_TORCHRUN)
+        first_start.add(env.get("LOCAL_RANK"))
         rank = _fork(address, args[2], list(args[3:]), env) if forkable else None
         return rank or torchruns_popen(handler, args, env)
 
@@ -265,7 +280,8 @@ def fork_ranks_in_torchrun(address):
 
 
 def _fork(address, script, args, env):
-    """A ForkedRank running `script`, or None when the server cannot be reached."""
+    """A ForkedRank running `script`, or None when the server cannot be reached or refuses
+    (it was started with other values of the variables read at import)."""
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         connection.connect(address)
