@@ -25,8 +25,8 @@ Only a group's first start is forked: any later start of a local rank, a restart
 torchrun counts it or not (a node that only saw another node fail keeps its count), starts
 new Pythons, as a reader's would, so that the time a restart costs is measured whole; so do the labs that show how torchrun
 started them (STARTED_BY_TORCHRUN: a forked rank's stacks end in the server's frames, and
-its parent is the server), every rank on a machine with an NVIDIA device (a CUDA process
-must not be forked from one that may have touched the driver), and a rank whose
+its parent is the server), every rank on a machine with a GPU (a CUDA or ROCm process must
+not be forked from one that may have touched the driver), and a rank whose
 environment differs from the server's in a variable read at import. A forked rank ends
 with its exit handlers and flushed output, but not Python's teardown: its agent hears of
 its end sooner, and a peer of a rank that fails may be stopped by the agent before it
@@ -66,9 +66,10 @@ MESSAGE_BYTES = 1 << 20
 
 
 def available():
-    """Forking ranks here: Linux (Unix sockets that carry descriptors), and no NVIDIA device."""
+    """Forking ranks here: Linux (Unix sockets that carry descriptors), and no GPU device
+    (NVIDIA's, or ROCm's /dev/kfd)."""
     return (sys.platform == "linux" and hasattr(socket, "send_fds")
-            and not any(Path("/dev").glob("nvidia[0-9]*")))
+            and not any(Path("/dev").glob("nvidia[0-9]*")) and not Path("/dev/kfd").exists())
 
 
 def run_file(script, args):
