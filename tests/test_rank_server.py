@@ -20,9 +20,11 @@ pytestmark = pytest.mark.skipif(not rank_server.available(), reason="needs Linux
 AGENT = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 # one write per line: the ranks share the pipe
 PROBE = """import os, sys
+import torch
 restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
 words = ["probe", os.environ["PROBE"], os.environ["RANK"], os.environ["WORLD_SIZE"], restart,
-         str(os.getppid()), str(os.getpgid(0) == os.getpid()), *sys.argv[1:]]
+         str(os.getppid()), str(os.getpgid(0) == os.getpid()), *sys.argv[1:],
+         str(torch.initial_seed())]
 os.write(1, (" ".join(words) + "\\n").encode())
 if os.environ["RANK"] == os.environ.get("FAIL_RANK") and restart == "0":
     sys.exit(3)
@@ -65,9 +67,12 @@ def test_an_odd_world_is_forked_from_the_server_with_what_torchrun_gives_each_ra
     output = process.stdout.read()
     assert process.wait(timeout=120) == 0, output
     # the launch's environment and arguments, torchrun's RANK and WORLD_SIZE, a session of
-    # its own (torchrun signals each rank's group); the parent is the server
-    assert probes(output) == [["seen", str(rank), "3", "0", str(server.process.pid), "True",
-                               "--x", "1"] for rank in range(3)], output
+    # its own (torchrun signals each rank's group); the parent is the server; and torch's
+    # seed drawn by each, as a new process draws it
+    ranks = probes(output)
+    assert [r[:-1] for r in ranks] == [["seen", str(rank), "3", "0", str(server.process.pid),
+                                        "True", "--x", "1"] for rank in range(3)], output
+    assert len({r[-1] for r in ranks}) == 3, output
 
 
 def test_a_failing_rank_fails_its_group_and_the_restart_starts_new_pythons(server, tmp_path):
@@ -110,6 +115,38 @@ def test_torchrun_starts_what_the_server_cannot_run_as_asked(server, tmp_path, c
     output = process.stdout.read()
     assert process.wait(timeout=120) == 0, output
     assert [p[4] for p in probes(output)] == [str(process.pid)] * 2, output
+
+
+@pytest.mark.parametrize("ending, status", [("sys.exit(5)", 5),
+                                            ("os.kill(os.getpid(), signal.SIGKILL)", -9)])
+def test_a_rank_that_ended_keeps_its_group_until_its_agent_reads_how(server, tmp_path, ending,
+                                                                   status):
+    """As a Popen's child is a zombie until its parent polls it: torchrun may still signal
+    the group of a rank it has not seen end. Then the status, a signal's as Popen gives it."""
+    script = tmp_path / "ends.py"
+    script.write_text(f"import os, signal, sys\n{ending}\n")
+    env = launch.lab_environment({})
+    rank = rank_server._fork(server.address, str(script), [], env)
+    assert rank is not None
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not _zombie(rank.pid):
+        time.sleep(0.05)
+    assert _zombie(rank.pid)
+    os.killpg(rank.pid, signal.SIGTERM)   # what torchrun's close does: no ProcessLookupError
+    assert rank.wait(timeout=30) == status and rank.poll() == status
+    deadline = time.monotonic() + 30   # read: the server reaps it, and its group is gone
+    while time.monotonic() < deadline and _zombie(rank.pid):
+        time.sleep(0.05)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(rank.pid, 0)
+
+
+def _zombie(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False
 
 
 def _children(pid):

@@ -3,10 +3,11 @@
 Each rank torchrun starts is a new Python, `python -u labs/<lab>.py ARGS`, that spends its
 first 2.5 s of one core importing: torch (1.4 s), then torch._dynamo (1.1 s, with FSDP and
 sympy), which every `optimizer.step()` imports (torch.optim's `_use_grad_for_differentiable`).
-A chapter starts about 75 ranks: most of its CPU, and on two cores a 4-rank launch waits
-5 s for it. In a chapter's kernel (labkit.runtime.notebook) a rank server, started with the
-kernel's first launch helper, imports those modules once, on the core the kernel leaves
-idle, and then forks each rank that torchrun's agent asks it for:
+The chapters start about 75 ranks in all: most of their CPU, and on two cores a 4-rank
+launch waits 5 s for it. In a chapter's kernel (labkit.runtime.notebook) a rank server,
+started with the kernel (the build starts each chapter's kernel ahead, book/_ext/
+spare_kernel.py) or else by its first launch helper, imports those modules once, on the core
+the kernel leaves idle, and then forks each rank that torchrun's agent asks it for:
 
 - the agent is torchrun's own (`python -m torch.distributed.run ...`, run in the chapter's
   spare Python, labkit.runtime.spare_python, which calls `fork_ranks_in_torchrun` before its
@@ -16,25 +17,34 @@ idle, and then forks each rank that torchrun's agent asks it for:
   in a folder of the kernel's alone; the server forks, and the child runs FILE as Python
   would (run_file): the rank's environment, its folder first on the path, a session of its
   own (torchrun signals each rank's process group), its output on the agent's;
-- the agent sees the child as torchrun sees a process: its pid, and its exit status, sent
-  back by the server when it ends. When the agent's connection closes (it ended, or a
-  timeout killed it), the server kills that rank's group.
+- the agent sees the child as torchrun sees a process: its pid (its group's, once in its
+  own session), and its exit status, sent back by the server when it ends; until the agent
+  has read it, the child is left unreaped, as a Popen's child is until its parent polls.
+  When the agent's connection closes first (it ended, or a timeout killed it), the server
+  kills the rank's group; a rank dies with the server (PR_SET_PDEATHSIG).
 
-What a rank computes is the lab's own code, on modules imported in another process first.
+What a rank computes is the lab's own code, on modules imported in another process first;
+what it could see differ from a fresh `python -u`: its tracebacks end in the frames that ran
+the file; the string hash seed is the server's (PYTHONHASHSEED is drawn once per process);
+a warning an import gives went to the server's stderr, once; `time.process_time()` counts
+from the fork; and a rank that fails ends without Python's teardown of its modules, so its
+agent hears of it sooner, and a peer may be stopped before it notices the lost connection
+itself. Its seeds are drawn again (torch's, numpy's; Python's `random` reseeds at a fork),
+its threads are joined and its exit handlers run as Python's exit does.
+
 Only a group's first start is forked: any later start of a local rank, a restart whether
 torchrun counts it or not (a node that only saw another node fail keeps its count), starts
-new Pythons, as a reader's would, so that the time a restart costs is measured whole; so do the labs that show how torchrun
-started them (STARTED_BY_TORCHRUN: a forked rank's stacks end in the server's frames, and
-its parent is the server), every rank on a machine with a GPU (a CUDA or ROCm process must
-not be forked from one that may have touched the driver), and a rank whose
-environment differs from the server's in a variable read at import. A forked rank ends
-with its exit handlers and flushed output, but not Python's teardown: its agent hears of
-its end sooner, and a peer of a rank that fails may be stopped by the agent before it
-notices the lost connection itself. The unit of the build's budget, a bare launch, is measured
-without any of it (scripts/book_cache.py).
+new Pythons, as a reader's would, so that the time a restart costs is measured whole; so do
+the labs that show how torchrun started them (STARTED_BY_TORCHRUN: a forked rank's stacks
+end in the server's frames, and its parent is the server), every rank on a machine with a
+GPU (a CUDA or ROCm process must not be forked from one that may have touched the driver),
+and a rank whose environment differs from the server's in a variable read at import. The
+unit of the build's budget, a bare launch, is measured without any of it
+(scripts/book_cache.py).
 """
 
 import atexit
+import ctypes
 import json
 import os
 import runpy
@@ -45,13 +55,14 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from .spare_python import import_time_variables
 
 LABS_DIR = Path(__file__).resolve().parents[2]
-# what the server imports once: what the labs' ranks import (the DTensor, FSDP and checkpoint
-# modules come with torch._dynamo, or are the FSDP, tensor- and context-parallel labs' own)
+# what the server imports once: what the labs' ranks import (DTensor and FSDP come with
+# torch._dynamo; the checkpoint modules are the FSDP and at-scale chapters' labs' own)
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.distributed.tensor",
            "torch.distributed.fsdp", "torch.distributed.checkpoint")
 # labs whose ranks torchrun starts itself, and why: what they show would be the server's
@@ -63,6 +74,7 @@ STARTED_BY_TORCHRUN = {
 # read by torch.distributed as the rank runs, not as torch is imported
 SET_BY_TORCHRUN = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 MESSAGE_BYTES = 1 << 20
+PR_SET_PDEATHSIG = 1   # linux/prctl.h
 
 
 def available():
@@ -74,8 +86,9 @@ def available():
 
 def run_file(script, args):
     """What `python script args` does in a fresh interpreter, in this process; returns its
-    exit status: the script as __main__, its folder first on the path, its exit handlers
-    run and its output flushed at the end."""
+    exit status: the script as __main__, its folder first on the path; at the end, as
+    Python's own exit does, its threads joined, the exit handlers run (those the imports
+    registered in the process it was forked from too) and its output flushed."""
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
@@ -91,9 +104,11 @@ def run_file(script, args):
     except BaseException:   # noqa: BLE001 (Python's own handling of an uncaught exception)
         sys.excepthook(*sys.exc_info())
         status = 1
+    threading._shutdown()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
+    ctypes.CDLL(None).fflush(None)   # C's stdio, which os._exit would not flush
     return status
 
 
@@ -118,7 +133,8 @@ class RankServer:
                                         stdin=subprocess.DEVNULL, start_new_session=True)
 
     def end(self):
-        """Kill it (its ranks are ended as their agents' connections close) and its folder."""
+        """Kill it, and its folder: a rank still running dies with it (PR_SET_PDEATHSIG),
+        and its agent hears that it was killed."""
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
@@ -129,33 +145,36 @@ class RankServer:
 
 def serve(address):
     """Bind `address` (connections wait there while the imports run), import PRELOAD, then
-    fork a rank for each request whose environment it was started alike for, until killed."""
-    started_with = _at_import(os.environ)
+    fork a rank for each request whose environment it was started alike for, until killed.
+    A rank that ends stays a zombie, its pid and group held, until its agent has read its
+    status and closed the connection: torchrun signals the group of a rank it has not yet
+    seen end, as it would a Popen's child that it has not yet reaped."""
+    started_with = dict(os.environ)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(address)
     listener.listen(64)
     for name in PRELOAD:
         __import__(name)
+    # what the imports set (TORCHINDUCTOR_CACHE_DIR): a fresh rank's imports would set it too
+    set_by_imports = {name: value for name, value in os.environ.items()
+                      if name not in started_with}
     woken, wake = os.pipe()   # a child's end wakes the loop (SIGCHLD)
     os.set_blocking(wake, False)
     signal.set_wakeup_fd(wake)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     ranks = {}   # pid: the agent's connection
+    told = set()   # the pids whose end their agent was sent
     agents = set()
     while True:
         ready, _, _ = select.select([listener, woken, *agents], [], [])
         if woken in ready:
             os.read(woken, 4096)
-        while True:   # every child that ended: its status to its agent
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            agent = ranks.pop(pid, None)
-            if agent is not None:
-                _send(agent, f"exit {os.waitstatus_to_exitcode(status)}")
+        for pid in [p for p in ranks if p not in told]:   # each rank that ended, left unreaped
+            ended = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            if ended is not None:
+                status = ended.si_status if ended.si_code == os.CLD_EXITED else -ended.si_status
+                _send(ranks[pid], f"exit {status}")
+                told.add(pid)
         if listener in ready:
             agents.add(listener.accept()[0])
         for agent in [a for a in agents if a in ready]:
@@ -163,25 +182,46 @@ def serve(address):
                 message, fds, _, _ = socket.recv_fds(agent, MESSAGE_BYTES, 2)
             except OSError:
                 message, fds = b"", []
-            if not message:   # the agent ended: so does its rank
+            if not message:   # the agent read its rank's end, or ended: reap, or kill first
                 agents.discard(agent)
                 for pid in [p for p, a in ranks.items() if a is agent]:
-                    _kill_group(pid)
+                    if pid not in told:
+                        _kill_group(pid)
+                    os.waitpid(pid, 0)
+                    del ranks[pid]
+                    told.discard(pid)
                 agent.close()
                 continue
             request = json.loads(message)
-            if _at_import(request["env"]) != started_with:
-                for fd in fds:
-                    os.close(fd)
-                _send(agent, "refused: a variable read at import differs")
-                continue
-            pid = os.fork()
-            if pid == 0:
-                _become_rank(request, fds, [listener, woken, wake, *agents])
+            pid = None
+            if _at_import(request["env"]) == _at_import(started_with):
+                pid = _fork_rank(request, fds, set_by_imports, [listener, woken, wake, *agents])
             for fd in fds:
                 os.close(fd)
+            if pid is None:
+                _send(agent, "refused")
+                continue
             ranks[pid] = agent
             _send(agent, f"pid {pid}")
+
+
+def _fork_rank(request, fds, set_by_imports, inherited):
+    """The pid of a child that runs the request, once it is in a session of its own (so
+    that its pid is its group's when the agent hears of it); None if it could not start."""
+    ready_r, ready_w = os.pipe()
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(ready_r)
+        os.close(ready_w)
+        return None
+    if pid == 0:
+        os.close(ready_r)
+        _become_rank(request, fds, set_by_imports, ready_w, inherited)
+    os.close(ready_w)
+    started = os.read(ready_r, 1)   # nothing: it died first
+    os.close(ready_r)
+    return pid if started else None
 
 
 def _at_import(env):
@@ -204,7 +244,7 @@ def _kill_group(pid):
         pass
 
 
-def _become_rank(request, fds, inherited):
+def _become_rank(request, fds, set_by_imports, ready, inherited):
     """In the forked child: what torchrun's `python -u FILE ARGS` would be; never returns."""
     status = 1
     try:
@@ -213,7 +253,13 @@ def _become_rank(request, fds, inherited):
         for item in inherited:
             item.close() if hasattr(item, "close") else os.close(item)
         os.setsid()
-        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        # killed with the server, which alone could tell its agent how it ended
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        os.write(ready, b"1")
+        os.close(ready)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.close(devnull)
         for fd, target in zip(fds, (1, 2)):
             os.dup2(fd, target)
             os.close(fd)
@@ -221,8 +267,12 @@ def _become_rank(request, fds, inherited):
         sys.stderr.reconfigure(write_through=True)
         os.chdir(request["cwd"])
         os.environ.clear()
-        os.environ.update(request["env"])
-        atexit._clear()
+        os.environ.update({**set_by_imports, **request["env"]})
+        # a new process draws its own seeds: torch's generator, numpy's (random's is reseeded
+        # at every fork by Python itself)
+        sys.modules["torch"].seed()
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed()
         status = run_file(request["script"], request["args"])
     finally:
         os._exit(status)
@@ -253,7 +303,7 @@ class ForkedRank:
 
     def _read(self):
         message = self._connection.recv(64).decode()
-        # "exit STATUS"; nothing: the server died, and the rank with it
+        # "exit STATUS"; nothing: the server died, and the rank with it (PR_SET_PDEATHSIG)
         self.returncode = int(message.split()[1]) if message else -signal.SIGKILL
         self._connection.close()
 
@@ -266,14 +316,14 @@ def fork_ranks_in_torchrun(address):
     handler_class = subprocess_handler.SubprocessHandler
     torchruns_popen = handler_class._popen
 
-    first_start = set()   # the local ranks forked: any later start of one is a restart
+    first_start = set()   # the local ranks started: any later start of one is a restart
 
     def popen(handler, args, env):
-        forkable = (env.get("LOCAL_RANK") not in first_start
+        forkable = (handler.local_rank_id not in first_start
                     and handler._stdout is None and handler._stderr is None
                     and list(args[:2]) == [sys.executable, "-u"] and len(args) > 2
                     and Path(args[2]).name not in STARTED_BY_TORCHRUN)
-        first_start.add(env.get("LOCAL_RANK"))
+        first_start.add(handler.local_rank_id)
         rank = _fork(address, args[2], list(args[3:]), env) if forkable else None
         return rank or torchruns_popen(handler, args, env)
 
