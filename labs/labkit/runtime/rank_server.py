@@ -311,19 +311,26 @@ class ForkedRank:
 def fork_ranks_in_torchrun(address):
     """In the chapter's spare Python, before it imports torch and runs torchrun: each rank
     of the group's first start that the server at `address` can run is forked there."""
-    from torch.distributed.elastic.multiprocessing.subprocess_handler import (
-        subprocess_handler)
+    try:
+        from torch.distributed.elastic.multiprocessing.subprocess_handler import (
+            subprocess_handler)
+    except ImportError:   # a torch that starts its ranks elsewhere: torchrun starts them
+        return
     handler_class = subprocess_handler.SubprocessHandler
     torchruns_popen = handler_class._popen
 
     first_start = set()   # the local ranks started: any later start of one is a restart
 
     def popen(handler, args, env):
-        forkable = (handler.local_rank_id not in first_start
-                    and handler._stdout is None and handler._stderr is None
+        # the handler's own index of the local rank (torch 2.13 sets it before it starts the
+        # process; older releases may not); its files for the rank's output, if redirected
+        local_rank = getattr(handler, "local_rank_id", env.get("LOCAL_RANK"))
+        forkable = (local_rank not in first_start
+                    and getattr(handler, "_stdout", None) is None
+                    and getattr(handler, "_stderr", None) is None
                     and list(args[:2]) == [sys.executable, "-u"] and len(args) > 2
                     and Path(args[2]).name not in STARTED_BY_TORCHRUN)
-        first_start.add(handler.local_rank_id)
+        first_start.add(local_rank)
         rank = _fork(address, args[2], list(args[3:]), env) if forkable else None
         return rank or torchruns_popen(handler, args, env)
 
