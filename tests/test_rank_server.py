@@ -141,6 +141,27 @@ def test_a_rank_that_ended_keeps_its_group_until_its_agent_reads_how(server, tmp
         os.killpg(rank.pid, 0)
 
 
+def test_a_server_whose_kernel_dies_removes_its_folder_and_exits(tmp_path):
+    """The build kills a kernel started ahead that no chapter took, with SIGKILL: its rank
+    server goes too, and leaves no folder behind."""
+    import subprocess
+    kernel = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
+         "from labkit.runtime import launch, rank_server; "
+         "server = rank_server.RankServer(launch.lab_environment({}), launch.REPO_DIR); "
+         "print(server.process.pid, server.address, flush=True); time.sleep(600)",
+         str(launch.LABS_DIR)], stdout=subprocess.PIPE, text=True)
+    pid, address = kernel.stdout.readline().split()
+    kernel.kill()
+    kernel.wait()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (os.path.exists(os.path.dirname(address))
+                                           or os.path.exists(f"/proc/{pid}")):
+        time.sleep(0.1)
+    assert not os.path.exists(os.path.dirname(address))
+    assert not os.path.exists(f"/proc/{pid}") or _zombie(int(pid))
+
+
 def _zombie(pid):
     try:
         with open(f"/proc/{pid}/stat") as stat:

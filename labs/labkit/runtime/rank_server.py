@@ -121,20 +121,17 @@ class RankServer:
         self._env = dict(env)
         self._folder = tempfile.mkdtemp(prefix="rank-server-")   # this user's alone (0700)
         self.address = os.path.join(self._folder, "socket")
-        # killed with the process that started it (PR_SET_PDEATHSIG), which may be a kernel
-        # started ahead that is never used (book/_ext/spare_kernel.py); its forks are not
-        code = ("import ctypes, os, sys; ctypes.CDLL(None).prctl(1, 9); "
-                "os.getppid() == int(sys.argv[3]) or sys.exit(); "
-                "sys.path.pop(0); sys.path.insert(0, sys.argv[1]); "
+        code = ("import sys; sys.path.pop(0); sys.path.insert(0, sys.argv[1]); "
                 "from labkit.runtime import rank_server; del sys.path[0]; "
-                "rank_server.serve(sys.argv[2])")
+                "rank_server.serve(sys.argv[2], int(sys.argv[3]))")
         self.process = subprocess.Popen([sys.executable, "-c", code, str(LABS_DIR),
                                          self.address, str(os.getpid())], env=env, cwd=cwd,
                                         stdin=subprocess.DEVNULL, start_new_session=True)
 
     def end(self):
         """Kill it, and its folder: a rank still running dies with it (PR_SET_PDEATHSIG),
-        and its agent hears that it was killed."""
+        and its agent hears that it was killed. (Should this process die first, the server
+        removes its folder itself.)"""
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
@@ -143,12 +140,25 @@ class RankServer:
 
 # ---- in the server
 
-def serve(address):
+def serve(address, parent):
     """Bind `address` (connections wait there while the imports run), import PRELOAD, then
-    fork a rank for each request whose environment it was started alike for, until killed.
+    fork a rank for each request whose environment it was started alike for, until killed
+    or until process `parent`, which started it, ends: it then removes its folder and exits
+    (PR_SET_PDEATHSIG: the parent may be a kernel started ahead that is never used, killed
+    without a word, book/_ext/spare_kernel.py), and its ranks die with it.
     A rank that ends stays a zombie, its pid and group held, until its agent has read its
     status and closed the connection: torchrun signals the group of a rank it has not yet
     seen end, as it would a Popen's child that it has not yet reaped."""
+    folder = os.path.dirname(address)
+
+    def gone(*_):
+        shutil.rmtree(folder, ignore_errors=True)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, gone)
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:   # it ended before that was set
+        gone()
     started_with = dict(os.environ)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(address)
@@ -250,6 +260,7 @@ def _become_rank(request, fds, set_by_imports, ready, inherited):
     try:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)   # torchrun's way of ending a rank
         for item in inherited:
             item.close() if hasattr(item, "close") else os.close(item)
         os.setsid()
