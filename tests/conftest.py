@@ -33,9 +33,9 @@ def pytest_configure(config):
 # processes go first, longest first (measured: seconds of work each on an idle 2-core
 # machine), so that the run does not end on one long file while the other worker idles;
 # the rest follow in their usual order.
-HEAVY_FIRST = ("test_resilience.py", "test_pipeline.py", "test_fault_tolerance.py", "test_distenv.py",
-               "test_mini_ddp.py", "test_memory.py", "test_hang.py", "test_hybrid.py",
-               "test_grad_averaging.py", "test_slurm.py", "test_ring_allreduce.py",
+HEAVY_FIRST = ("test_resilience.py", "test_low_communication.py", "test_pipeline.py",
+               "test_fault_tolerance.py", "test_distenv.py", "test_mini_ddp.py",
+               "test_memory.py", "test_hang.py", "test_hybrid.py", "test_grad_averaging.py", "test_slurm.py", "test_ring_allreduce.py",
                "test_context_parallel.py", "test_fsdp.py", "test_precision.py",
                "test_zero_libraries.py", "test_expert_parallel.py", "test_checkpoint.py",
                "test_tensor_parallel.py", "test_gpu_references.py")

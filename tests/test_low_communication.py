@@ -90,6 +90,14 @@ def test_diloco_keeps_two_fp32_copies_of_the_model_and_local_sgd_none():
         model.outer_state_bytes("gossip", psi)
 
 
+# The step times are held to the model within the run's own spread, scaled by how slow its
+# forward passes ran; beside the labs' other tests and the browser, a busy spell in one
+# method's backward and sync but not its forward passes took a step to 2.7x its computation
+# where the forward passes said 1.9x. So the launch runs with the timed tests (`make test`
+# runs them last, without the browser), and every test that reads it runs there too, once.
+WITH_THE_TIMED_LAUNCH = pytest.mark.timed
+
+
 @pytest.fixture(scope="module")
 def three_ranks():
     # the H sweep's two values that cost no training: H = --sync-every is this run's diloco,
@@ -99,6 +107,7 @@ def three_ranks():
                     "--h-sweep", "3,6"], echo=False)
 
 
+@WITH_THE_TIMED_LAUNCH
 def test_every_method_sends_what_the_model_says(three_ranks):
     assert_lab_metadata(three_ranks, "low_communication")
     methods = three_ranks["methods"]
@@ -118,6 +127,7 @@ def test_every_method_sends_what_the_model_says(three_ranks):
     assert methods["diloco"]["peak_bytes_per_step"] == methods["ddp"]["peak_bytes_per_step"]
 
 
+@WITH_THE_TIMED_LAUNCH
 def test_diloco_keeps_what_the_model_says_and_torchft_the_same(three_ranks):
     psi = three_ranks["param_count"]
     for name in ("local_sgd", "diloco", "streaming_diloco"):
@@ -129,6 +139,7 @@ def test_diloco_keeps_what_the_model_says_and_torchft_the_same(three_ranks):
     assert three_ranks["methods"]["diloco"]["torchft"]["anchor_device"] == "cpu"
 
 
+@WITH_THE_TIMED_LAUNCH
 def test_diloco_that_must_equal_ddp_does_and_the_others_differ(three_ranks):
     checks, methods = three_ranks["checks"], three_ranks["methods"]
     assert checks["diloco_h1_max_param_diff_vs_ddp"] <= 1e-5
@@ -136,6 +147,7 @@ def test_diloco_that_must_equal_ddp_does_and_the_others_differ(three_ranks):
         assert methods[name]["max_param_diff_vs_ddp"] > 1e-4, name
 
 
+@WITH_THE_TIMED_LAUNCH
 def test_torchfts_own_methods_end_where_the_labs_do(three_ranks):
     # three ranks, three fragments of four layers, H = 3: torchft's schedule is the lab's
     for name in ("local_sgd", "diloco", "streaming_diloco"):
@@ -160,6 +172,7 @@ def test_torchfts_diloco_is_not_run_where_the_fragments_do_not_divide_h():
         lab.TorchftMethod("streaming_diloco", Transformer(lab.SHAPE), args)
 
 
+@WITH_THE_TIMED_LAUNCH
 def test_bf16s_gradient_error_is_the_precision_models(three_ranks):
     bf16 = three_ranks["methods"]["bf16"]
     error, predicted = bf16["grad_error_vs_ddp"], bf16["predicted_grad_error_bound"]
@@ -176,6 +189,7 @@ def test_bf16s_gradient_error_is_the_precision_models(three_ranks):
             else torch_hook == 0.0)
 
 
+@WITH_THE_TIMED_LAUNCH
 def test_step_times_agree_with_the_model_within_the_runs_spread(three_ranks):
     for name, m in three_ranks["methods"].items():
         for link in ("plain", "slowed"):
@@ -188,6 +202,7 @@ def test_step_times_agree_with_the_model_within_the_runs_spread(three_ranks):
                 three_ranks["compute_forward_s"], floor=name == "powersgd"), (name, link)
 
 
+@WITH_THE_TIMED_LAUNCH
 def test_the_h_sweep_sends_ddps_bytes_over_h(three_ranks):
     ddp = three_ranks["methods"]["ddp"]["bytes_sent_per_rank_per_step"]
     rows = three_ranks["h_sweep"]
