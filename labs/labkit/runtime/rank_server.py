@@ -118,7 +118,6 @@ class RankServer:
     """The server process, started with `env` in `cwd`; `address` is its socket."""
 
     def __init__(self, env, cwd):
-        self._env = dict(env)
         self._folder = tempfile.mkdtemp(prefix="rank-server-")   # this user's alone (0700)
         self.address = os.path.join(self._folder, "socket")
         code = ("import sys; sys.path.pop(0); sys.path.insert(0, sys.argv[1]); "
