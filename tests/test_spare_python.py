@@ -96,3 +96,27 @@ def test_a_lab_failing_in_the_spare_fails_with_its_own_line(spares):
     assert following is not None and following is not spare and following.alive()
     launch._drop_spare()   # as the kernel exits
     assert following.process.returncode is not None and launch._spare is None
+
+
+def test_launches_from_several_threads_at_once_share_no_spare(spares, tmp_path):
+    """A chapter may launch from several threads (the hangs chapter does): one launch takes
+    the spare, the others start as new processes, and every one runs."""
+    import threading
+    lab = tmp_path / "lab.py"
+    lab.write_text("print('ran')\n")
+    env = launch.lab_environment({})
+    ready = threading.Barrier(4)
+    started = []
+
+    def start():
+        ready.wait()
+        started.append(launch._start([sys.executable, str(lab)], env))
+
+    threads = [threading.Thread(target=start) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(started) == 4 and len({process.pid for process in started}) == 4
+    for process in started:
+        assert process.stdout.read().strip() == "ran" and process.wait(timeout=120) == 0

@@ -189,17 +189,21 @@ def start_rank_server():
 
 _spares_on = False
 _spare = None
+# held while the spare is taken or replaced: a chapter may launch from several threads at
+# once (the hangs chapter does), and a spare handed to two launches would run only one
+_spare_lock = threading.Lock()
 _rank_server = None
 
 
 def _keep_spare():
     global _spare
-    if _spares_on and (_spare is None or not _spare.alive()):
-        call = None
-        if _rank_server is not None and _rank_server.process.poll() is None:
-            call = (LABS_DIR, "labkit.runtime.rank_server", "fork_ranks_in_torchrun",
-                    _rank_server.address)
-        _spare = SparePython(lab_environment({}), REPO_DIR, call=call)
+    with _spare_lock:
+        if _spares_on and (_spare is None or not _spare.alive()):
+            call = None
+            if _rank_server is not None and _rank_server.process.poll() is None:
+                call = (LABS_DIR, "labkit.runtime.rank_server", "fork_ranks_in_torchrun",
+                        _rank_server.address)
+            _spare = SparePython(lab_environment({}), REPO_DIR, call=call)
 
 
 @atexit.register
@@ -218,9 +222,10 @@ def _drop_spare():
 def _start(command, env):
     """`command` in the spare Python when one is on and can run it, else as a new process."""
     global _spare
-    if _spare is not None and (process := _spare.run(command, env, REPO_DIR)) is not None:
-        _spare = None
-        return process
+    with _spare_lock:
+        if _spare is not None and (process := _spare.run(command, env, REPO_DIR)) is not None:
+            _spare = None
+            return process
     return _popen(command, env)
 
 
