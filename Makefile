@@ -51,11 +51,12 @@ help:
 	@echo "make notebooks  write .ipynb copies of the chapters into _notebooks/"
 	@echo "make clean      remove _build and _notebooks (make clean-all: also .venv)"
 
+# Without pip (ensurepip took 6 s of the environment's 15 here): uv installs it with the rest
 $(BIN)/activate:
 ifeq ($(TORCH),system)
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 else
-	$(PYTHON) -m venv $(VENV)
+	$(PYTHON) -m venv --without-pip $(VENV)
 endif
 
 # The pinned packages, the CPU build of torch among them, are installed with uv, which unpacks
@@ -65,9 +66,21 @@ endif
 # CPU build on disk). Where uv cannot be installed or fails, and for TORCH=system, pip
 # installs, upgraded first to a pinned release: Python 3.11's own (23.2) spends 17 s of CPU
 # resolving these pins, 26.1 6 s.
+# uv itself is taken by the system's pip into a folder of its own (the environment has no
+# pip yet), or, where the system has none, by the pip ensurepip puts in the environment.
+# uv first installs from its cache alone (--offline): on a machine that installed these
+# pins before, the registries are not asked again (they answer every revalidation as
+# modified here, and DeepSpeed's source was built again each time: 4 s); where anything is
+# missing from the cache, it installs as usual. The environment's pip is installed by uv.
 PIP_VERSION := 26.1
 UV_VERSION := 0.13.9
-PIP_WHEEL_FOLDERS = $$($(BIN)/python -m pip config list 2>/dev/null \
+UV_DIR := $(VENV)/uv-$(UV_VERSION)
+UV_GET = $(PYTHON) -m pip install --no-compile --no-deps -q --root-user-action=ignore --target $(UV_DIR) uv==$(UV_VERSION) \
+	|| { $(BIN)/python -m ensurepip -q && $(BIN)/python -m pip install --no-compile --no-deps -q \
+		--target $(UV_DIR) uv==$(UV_VERSION); }
+UV_INSTALL = $(UV_DIR)/bin/uv pip install --python $(BIN)/python $(PIP_WHEEL_FOLDERS) \
+	pip==$(PIP_VERSION) -r requirements.txt
+PIP_WHEEL_FOLDERS = $$($(PYTHON) -m pip config list 2>/dev/null \
 	| sed -n "s/^.*\.find-links='\(.*\)'$$/\1/p" | tr ' ' '\n' | sort -u | sed 's/^/--find-links /')
 
 # Then the bytecode of what the labs and the book import is written once, in one process,
@@ -79,10 +92,11 @@ ifeq ($(TORCH),system)
 	$(BIN)/python scripts/system_requirements.py requirements.txt > $(VENV)/requirements-system.txt
 	$(BIN)/python -m pip install --no-compile -r $(VENV)/requirements-system.txt
 else
-	{ $(BIN)/python -m pip install --no-compile -q uv==$(UV_VERSION) \
-		&& $(BIN)/uv pip install --python $(BIN)/python $(PIP_WHEEL_FOLDERS) -r requirements.txt; } \
+	{ { $(UV_GET); } && { $(UV_INSTALL) --offline 2>/dev/null \
+		|| { echo "uv: not all of it in uv's cache, installing from the registries"; $(UV_INSTALL); }; }; } \
 	|| { echo "uv failed: installing with pip"; \
-		$(BIN)/python -m pip install --no-compile -q pip==$(PIP_VERSION) \
+		{ $(BIN)/python -m pip --version >/dev/null 2>&1 || $(BIN)/python -m ensurepip -q; } \
+		&& $(BIN)/python -m pip install --no-compile -q pip==$(PIP_VERSION) \
 		&& $(BIN)/python -m pip install --no-compile -r requirements.txt; }
 endif
 	$(BIN)/python scripts/compile_imports.py

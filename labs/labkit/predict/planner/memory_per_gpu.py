@@ -74,6 +74,18 @@ def stage_footprints(model, cut, tp, ep, replicas, zero, recompute, flash,
     return tuple(footprints)
 
 
+@functools.lru_cache(maxsize=4096)
+def _peak_microbatches(pp, m, v, zero_bubble):
+    """Per stage, the micro-batches in flight at its peak (memory_model's count), kept: a
+    search asks for the same schedules over and over."""
+    if zero_bubble:
+        # ZB-H1's order, walked: a micro-batch past its I but not its W still counts whole,
+        # though it keeps only what W reads (an upper bound; Qi et al. 2024, Table 1)
+        return tuple(memory_model.zero_bubble_peak_microbatches("zb1p", pp, m, v))
+    schedule = "interleaved" if v > 1 else "1f1b"
+    return tuple(memory_model.pipeline_peak_microbatches(schedule, pp, m, v))
+
+
 def memory(model, layout, settings, hw):
     """{params, grads, optimizer, states, activations, logits, total, stage, reserve,
     usable} bytes on the fullest GPU of `layout` (total: its tensors; usable: the nominal
@@ -91,13 +103,7 @@ def memory(model, layout, settings, hw):
     replicas = layout["dp"] * cp                 # ranks holding the same dense weights
     if layout.get("dualpipe"):                   # and as many again on rank pp - 1 - r
         replicas *= 2
-    schedule = "interleaved" if v > 1 else "1f1b"
-    if layout.get("zb"):
-        # ZB-H1's order, walked: a micro-batch past its I but not its W still counts whole,
-        # though it keeps only what W reads (an upper bound; Qi et al. 2024, Table 1)
-        in_flight = memory_model.zero_bubble_peak_microbatches("zb1p", pp, m, v)
-    else:
-        in_flight = memory_model.pipeline_peak_microbatches(schedule, pp, m, v)
+    in_flight = _peak_microbatches(pp, m, v, bool(layout.get("zb")))
     tokens = model.seq // cp * b                  # of one micro-batch, on this rank
     cut = chunk_split(model, pp, v, settings.flash_attention)
     footprints = stage_footprints(model, cut, tp, ep, replicas, zero, recompute,

@@ -144,6 +144,7 @@ def tensor_parallel_overlapped_time(model, spans, seq, batch, tp, embedding,
     return microbatches * (exposed + priced(outside, tp, tp, hw)) + priced(once, tp, tp, hw)
 
 
+@functools.lru_cache(maxsize=65536)   # the same for every ZeRO stage the search tries
 def tensor_parallel_seconds(model, cut, chunks, seq, batch, tp, microbatches, recompute, hw,
                             rate, settings):
     """The step's tensor-parallel term: the exposed collectives of the rank whose traffic
