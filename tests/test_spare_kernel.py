@@ -27,14 +27,29 @@ FIGURE = """import matplotlib.pyplot as plt
 plt.plot([0, 1], [1, 0]); plt.show()"""
 
 
+# What each spare calls first here, in place of the build's rank server (which imports torch
+# and more: about 4 s of CPU a spare): a mark in a file named by the test, one line a call
+CALLED = """import os
+def mark(path):
+    with open(path, "a") as file:
+        file.write(f"{os.getpid()}\\n")
+"""
+
+
 @pytest.fixture
-def spare_kernel(monkeypatch):
+def spare_kernel(monkeypatch, tmp_path):
     spec = importlib.util.spec_from_file_location("spare_kernel", EXT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     # the build's imports but torch (1.6 s of CPU a spare), and the marker
     imports = tuple(name for name in module.SpareKernel.IMPORTS if name != "torch")
     monkeypatch.setattr(module.SpareKernel, "IMPORTS", (*imports, MARKER))
+    assert module.START_RANK_SERVER[1:] == ("labkit.runtime.launch", "start_rank_server")
+    calls = tmp_path / "calls"
+    calls.mkdir()
+    (calls / "called.py").write_text(CALLED)
+    monkeypatch.setattr(module, "START_RANK_SERVER",
+                        (calls, "called", "mark", calls / "marks"))
     monkeypatch.setattr(local_provisioner, "launch_kernel", module.launch_kernel)
     yield module
     module._drop()
@@ -68,6 +83,9 @@ def test_the_next_kernel_is_the_spare_and_runs_as_jupyters_own(spare_kernel, tmp
     second = probe(cells)
     assert not first["spare"] and second["spare"]   # jupyter's kernel, then the spare
     assert second["pid"] == spare.process.pid
+    # the spare made its call (the build's: start the chapter's rank server) as it started
+    marks = (tmp_path / "calls" / "marks").read_text().split()
+    assert str(second["pid"]) in marks
     for kernel in (first, second):
         assert kernel["parent"] == os.getpid() and kernel["cwd"] == str(tmp_path)
         assert kernel["launcher"] and kernel["variable"] == "-"

@@ -77,9 +77,12 @@ def test_a_spare_refuses_what_it_was_not_started_for_and_ends_with_its_kernel(tm
 
 @pytest.fixture
 def spares(monkeypatch):
-    """run_lab as a chapter's kernel has it: real processes, a spare kept."""
+    """run_lab as a chapter's kernel has it: real processes, a spare kept; no rank server
+    (it would import torch and more for launches these tests do not fork: its own tests,
+    tests/test_rank_server.py, run it with a spare)."""
     monkeypatch.setattr(launch, "start_process", launch._start)
     monkeypatch.setattr(launch, "_spare", None)
+    monkeypatch.setattr(launch, "start_rank_server", lambda: None)
     launch.keep_a_spare_python()
     yield
     launch._spares_on = False
