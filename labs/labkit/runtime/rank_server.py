@@ -73,6 +73,9 @@ STARTED_BY_TORCHRUN = {
 # what torchrun adds to each rank's environment (torch.distributed.elastic's local agent):
 # read by torch.distributed as the rank runs, not as torch is imported
 SET_BY_TORCHRUN = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+# read by torchrun's agent alone (whether its rendezvous store is lent to the ranks), never
+# as torch is imported: a launch that sets it forks from the same server
+READ_BY_THE_AGENT = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE",)
 MESSAGE_BYTES = 1 << 20
 PR_SET_PDEATHSIG = 1   # linux/prctl.h
 
@@ -234,9 +237,10 @@ def _fork_rank(request, fds, set_by_imports, inherited):
 
 
 def _at_import(env):
-    """The variables read as Python and torch start, but those torchrun sets for each rank."""
+    """The variables read as Python and torch start, but those torchrun sets for each rank
+    and those only its agent reads."""
     return {name: value for name, value in import_time_variables(env).items()
-            if not name.startswith(SET_BY_TORCHRUN)}
+            if not name.startswith(SET_BY_TORCHRUN + READ_BY_THE_AGENT)}
 
 
 def _send(agent, text):
