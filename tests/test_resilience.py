@@ -81,17 +81,19 @@ def two_node_jobs(tmp_path_factory):
     server = (rank_server.RankServer(launch.lab_environment({}), launch.REPO_DIR)
               if rank_server.available() else None)
     started = {}
-    for store, disable in STORES.items():
-        folder = tmp_path_factory.mktemp(store)
-        started[store] = start_two_nodes(
-            folder, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": disable}, server)
-    with ThreadPoolExecutor() as pool:   # every agent's output read as it comes
-        outputs = {store: [pool.submit(agent.communicate, timeout=240) for agent in agents]
-                   for store, (agents, _) in started.items()}
-        texts = {store: [reading.result()[0] for reading in readings]
-                 for store, readings in outputs.items()}
-    if server is not None:
-        server.end()
+    try:
+        for store, disable in STORES.items():
+            folder = tmp_path_factory.mktemp(store)
+            started[store] = start_two_nodes(
+                folder, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": disable}, server)
+        with ThreadPoolExecutor() as pool:   # every agent's output read as it comes
+            outputs = {store: [pool.submit(agent.communicate, timeout=240) for agent in agents]
+                       for store, (agents, _) in started.items()}
+            texts = {store: [reading.result()[0] for reading in readings]
+                     for store, readings in outputs.items()}
+    finally:
+        if server is not None:
+            server.end()
     return {store: ([(agent.returncode, text) for agent, text in zip(agents, texts[store])], out)
             for store, (agents, out) in started.items()}
 
