@@ -30,15 +30,18 @@ def pytest_configure(config):
 # `make test` runs the test files two at a time, handing each worker the next file in
 # collection order (--no-loadscope-reorder: xdist would otherwise put the files with the
 # most tests first, which here are the cheapest). The files that launch the most
-# processes go first, longest first (measured: seconds of work each on an idle 2-core
-# machine), so that the run does not end on one long file while the other worker idles;
-# the rest follow in their usual order.
-HEAVY_FIRST = ("test_resilience.py", "test_low_communication.py", "test_pipeline.py",
-               "test_fault_tolerance.py", "test_distenv.py", "test_mini_ddp.py",
-               "test_memory.py", "test_hang.py", "test_hybrid.py", "test_grad_averaging.py", "test_slurm.py", "test_ring_allreduce.py",
-               "test_context_parallel.py", "test_fsdp.py", "test_precision.py",
-               "test_zero_libraries.py", "test_expert_parallel.py", "test_checkpoint.py",
-               "test_tensor_parallel.py", "test_gpu_references.py")
+# processes go first, longest first (measured: each file's seconds of its tests that are
+# not `timed`, run one after another on a 2-core machine), so that the run does not end on
+# one long file while the other worker idles; the rest follow in their usual order.
+HEAVY_FIRST = ("test_resilience.py", "test_device_guard.py", "test_rank_server.py",
+               "test_spare_python.py", "test_distenv.py", "test_precision.py", "test_slurm.py",
+               "test_memory.py", "test_pipeline.py", "test_plan.py", "test_gpu_references.py",
+               "test_fault_tolerance.py", "test_fork_launch.py", "test_zero_libraries.py",
+               "test_hang.py", "test_sizing.py", "test_fsdp.py", "test_hybrid.py",
+               "test_mini_ddp.py", "test_spare_kernel.py", "test_tensor_parallel.py",
+               "test_expert_parallel.py", "test_data_order.py", "test_checkpoint.py",
+               "test_trace.py", "test_context_parallel.py", "test_grad_averaging.py",
+               "test_ring_allreduce.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -94,20 +94,18 @@ def test_diloco_keeps_two_fp32_copies_of_the_model_and_local_sgd_none():
 # forward passes ran; beside the labs' other tests and the browser, a busy spell in one
 # method's backward and sync but not its forward passes took a step to 2.7x its computation
 # where the forward passes said 1.9x. So the launch runs with the timed tests (`make test`
-# runs them last, without the browser), and every test that reads it runs there too, once.
-WITH_THE_TIMED_LAUNCH = pytest.mark.timed
-
-
-@pytest.fixture(scope="module")
-def three_ranks():
+# runs them last, without the browser), and every test that reads it runs there too, once:
+# the mark is the fixture's (its one parameter's), so each test that reads it has it, as
+# tests/test_pipeline.py marks its launch under controlled time.
+@pytest.fixture(scope="module", params=[pytest.param(3, marks=pytest.mark.timed)])
+def three_ranks(request):
     # the H sweep's two values that cost no training: H = --sync-every is this run's diloco,
     # H = --steps the ranks' loss alone (the chapter trains the others)
-    return run_lab("low_communication", 3,
+    return run_lab("low_communication", request.param,
                    ["--steps", 6, "--sync-every", 3, "--fragments", 3, "--slow-ns-per-byte", 2,
                     "--h-sweep", "3,6"], echo=False)
 
 
-@WITH_THE_TIMED_LAUNCH
 def test_every_method_sends_what_the_model_says(three_ranks):
     assert_lab_metadata(three_ranks, "low_communication")
     methods = three_ranks["methods"]
@@ -127,7 +125,6 @@ def test_every_method_sends_what_the_model_says(three_ranks):
     assert methods["diloco"]["peak_bytes_per_step"] == methods["ddp"]["peak_bytes_per_step"]
 
 
-@WITH_THE_TIMED_LAUNCH
 def test_diloco_keeps_what_the_model_says_and_torchft_the_same(three_ranks):
     psi = three_ranks["param_count"]
     for name in ("local_sgd", "diloco", "streaming_diloco"):
@@ -139,7 +136,6 @@ def test_diloco_keeps_what_the_model_says_and_torchft_the_same(three_ranks):
     assert three_ranks["methods"]["diloco"]["torchft"]["anchor_device"] == "cpu"
 
 
-@WITH_THE_TIMED_LAUNCH
 def test_diloco_that_must_equal_ddp_does_and_the_others_differ(three_ranks):
     checks, methods = three_ranks["checks"], three_ranks["methods"]
     assert checks["diloco_h1_max_param_diff_vs_ddp"] <= 1e-5
@@ -147,7 +143,6 @@ def test_diloco_that_must_equal_ddp_does_and_the_others_differ(three_ranks):
         assert methods[name]["max_param_diff_vs_ddp"] > 1e-4, name
 
 
-@WITH_THE_TIMED_LAUNCH
 def test_torchfts_own_methods_end_where_the_labs_do(three_ranks):
     # three ranks, three fragments of four layers, H = 3: torchft's schedule is the lab's
     for name in ("local_sgd", "diloco", "streaming_diloco"):
@@ -172,7 +167,6 @@ def test_torchfts_diloco_is_not_run_where_the_fragments_do_not_divide_h():
         lab.TorchftMethod("streaming_diloco", Transformer(lab.SHAPE), args)
 
 
-@WITH_THE_TIMED_LAUNCH
 def test_bf16s_gradient_error_is_the_precision_models(three_ranks):
     bf16 = three_ranks["methods"]["bf16"]
     error, predicted = bf16["grad_error_vs_ddp"], bf16["predicted_grad_error_bound"]
@@ -189,7 +183,6 @@ def test_bf16s_gradient_error_is_the_precision_models(three_ranks):
             else torch_hook == 0.0)
 
 
-@WITH_THE_TIMED_LAUNCH
 def test_step_times_agree_with_the_model_within_the_runs_spread(three_ranks):
     for name, m in three_ranks["methods"].items():
         for link in ("plain", "slowed"):
@@ -202,7 +195,6 @@ def test_step_times_agree_with_the_model_within_the_runs_spread(three_ranks):
                 three_ranks["compute_forward_s"], floor=name == "powersgd"), (name, link)
 
 
-@WITH_THE_TIMED_LAUNCH
 def test_the_h_sweep_sends_ddps_bytes_over_h(three_ranks):
     ddp = three_ranks["methods"]["ddp"]["bytes_sent_per_rank_per_step"]
     rows = three_ranks["h_sweep"]
