@@ -80,11 +80,16 @@ MESSAGE_BYTES = 1 << 20
 PR_SET_PDEATHSIG = 1   # linux/prctl.h
 
 
+# an accelerator's device files: NVIDIA's, ROCm's, WSL2's GPU, Intel's render nodes (XPU),
+# Habana's and other accelerators: where one is, a rank starts as torchrun starts it
+ACCELERATOR_DEVICES = ("nvidia[0-9]*", "kfd", "dxg", "dri/renderD*", "accel*")
+
+
 def available():
-    """Forking ranks here: Linux (Unix sockets that carry descriptors), and no GPU device
-    (NVIDIA's, or ROCm's /dev/kfd)."""
+    """Forking ranks here: Linux (Unix sockets that carry descriptors), and no accelerator
+    device (ACCELERATOR_DEVICES)."""
     return (sys.platform == "linux" and hasattr(socket, "send_fds")
-            and not any(Path("/dev").glob("nvidia[0-9]*")) and not Path("/dev/kfd").exists())
+            and not any(any(Path("/dev").glob(name)) for name in ACCELERATOR_DEVICES))
 
 
 def run_file(script, args):
@@ -331,7 +336,9 @@ def fork_ranks_in_torchrun(address):
     except ImportError:   # a torch that starts its ranks elsewhere: torchrun starts them
         return
     handler_class = subprocess_handler.SubprocessHandler
-    torchruns_popen = handler_class._popen
+    torchruns_popen = getattr(handler_class, "_popen", None)
+    if torchruns_popen is None:   # started otherwise in this release: torchrun starts them
+        return
 
     first_start = set()   # the local ranks started: any later start of one is a restart
 
@@ -343,6 +350,7 @@ def fork_ranks_in_torchrun(address):
                     and getattr(handler, "_stdout", None) is None
                     and getattr(handler, "_stderr", None) is None
                     and list(args[:2]) == [sys.executable, "-u"] and len(args) > 2
+                    and not args[2].startswith("-")   # a script, not torchrun's -m MODULE
                     and Path(args[2]).name not in STARTED_BY_TORCHRUN)
         first_start.add(local_rank)
         rank = _fork(address, args[2], list(args[3:]), env) if forkable else None
