@@ -28,7 +28,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from labkit.runtime.rank_server import run_file
+from labkit.runtime.rank_server import SET_BY_IMPORTS, run_file
 
 # Imported once by the server; the 0.7 s of DTensor (sympy) is paid by the FSDP, tensor-
 # and context-parallel labs and the checkpoints.
@@ -37,8 +37,8 @@ PRELOAD = ["fork_launch", "torch", "torch.distributed", "torch._dynamo",
 # Read by torch, OpenMP or MKL when they load: a launch that sets one otherwise than the
 # server was started with must start a fresh Python.
 IMPORT_TIME = ("OMP_", "MKL_", "KMP_", "TORCH", "PYTORCH", "CUDA", "LD_")
-# ... except this one, which torch._inductor sets in the test process when a test imports it
-NOT_IMPORT_TIME = ("TORCHINDUCTOR_CACHE_DIR",)
+# ... except what torch's imports set (in the test process when a test imports them)
+NOT_IMPORT_TIME = SET_BY_IMPORTS
 TERMINATE_GRACE_S = 5   # after a rank fails, the others get SIGTERM, then SIGKILL
 
 

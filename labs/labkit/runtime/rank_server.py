@@ -76,6 +76,9 @@ SET_BY_TORCHRUN = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 # read by torchrun's agent alone (whether its rendezvous store is lent to the ranks), never
 # as torch is imported: a launch that sets it forks from the same server
 READ_BY_THE_AGENT = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE",)
+# written by torch._inductor as it is imported (its default): a kernel that imported it has
+# it, and a fresh rank's imports would set it too
+SET_BY_IMPORTS = ("TORCHINDUCTOR_CACHE_DIR",)
 MESSAGE_BYTES = 1 << 20
 PR_SET_PDEATHSIG = 1   # linux/prctl.h
 
@@ -242,10 +245,11 @@ def _fork_rank(request, fds, set_by_imports, inherited):
 
 
 def _at_import(env):
-    """The variables read as Python and torch start, but those torchrun sets for each rank
-    and those only its agent reads."""
+    """The variables read as Python and torch start, but those torchrun sets for each rank,
+    those only its agent reads and those torch's own imports set."""
     return {name: value for name, value in import_time_variables(env).items()
-            if not name.startswith(SET_BY_TORCHRUN + READ_BY_THE_AGENT)}
+            if not name.startswith(SET_BY_TORCHRUN + READ_BY_THE_AGENT)
+            and name not in SET_BY_IMPORTS}
 
 
 def _send(agent, text):

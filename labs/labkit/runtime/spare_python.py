@@ -1,7 +1,8 @@
 """A Python started before its launch, torch imported: a chapter's next launch begins there.
 
 `python -m torch.distributed.run ...` spends its first 1.3 s of one core importing torch
-before it starts a single rank (a bare 2-rank launch takes about 3 s here), and a lab run
+before it starts a single rank (a bare 2-rank launch takes 3 to 5 s on the 2-core machines
+this book is built on), and a lab run
 as one process, `python labs/<lab>.py`, spends as long before its first line. Between two
 launches a chapter's kernel computes predictions and draws plots on one core, and the
 other core waits. A spare is a new Python, started with the kernel's own interpreter when a
@@ -10,8 +11,10 @@ stdin: the command and environment of the next launch. It then runs what that co
 names, as Python would have:
 
 - `python -m torch.distributed.run ARGS`: torch.distributed.run as `__main__` (runpy, as
-  `-m` does). What the agent does is torchrun's own code, and the ranks it starts are
-  fresh Pythons, as always;
+  `-m` does). What the agent does is torchrun's own code; the ranks it starts are fresh
+  Pythons, but where the spare was given a call to labkit.runtime.rank_server's
+  `fork_ranks_in_torchrun` (labkit.runtime.launch gives it one where the server runs), the
+  ranks of the group's first start are forked from that server;
 - `python labs/<lab>.py ARGS`: the script as `__main__` (runpy, as `python FILE` does),
   its folder first on sys.path.
 
